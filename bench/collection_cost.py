@@ -1,0 +1,130 @@
+"""What one collection costs, against what it must cost: the memory-bandwidth floor and the RSS rise.
+
+    python bench/collection_cost.py [--width 4096] [--layers 3] [--repeats 5]
+
+A collection reads every gradient (norms), reads every trainable weight and the on-disk reference (delta),
+and writes the new reference: 4 x the trainable bytes at least. The floor is those bytes over a copy
+bandwidth measured in this same run (dst.copy_(src) moves 2 x its size). Peak RSS is sampled by a thread
+during each collection and compared with the RSS just before it, as a share of the model's size.
+The holdout and batch stats are off: this measures the part that scales with the model.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRss:
+    """Samples RSS every 0.2 ms in a thread; torch ops and file I/O release the GIL, so it gets to run."""
+
+    def __enter__(self):
+        self.base = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second moved by a large tensor copy (read + write), the best of a few tries."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * nbytes / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    params = sum(p.numel() for p in model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(32, args.width)
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    with tempfile.TemporaryDirectory() as out:
+        config = TelemetryConfig(output_dir=out, collect_every_n=1, track_holdout_logits=False,
+                                 track_batch_stats=False, strict=True)
+        telemetry = TrainingTelemetry(config)
+        step()
+        telemetry.on_batch_end(model, optimizer, 0, 0)  # writes the first reference
+        bandwidth = copy_bandwidth(256 << 20)
+        floor = 4 * model_bytes / bandwidth
+        times, rises = [], []
+        for _ in range(args.repeats):
+            step()
+            with PeakRss() as rss:
+                start = time.perf_counter()
+                telemetry.on_batch_end(model, optimizer, 0, 0)
+                times.append(time.perf_counter() - start)
+            rises.append(rss.peak - rss.base)
+        step_times = [_timed(step) for _ in range(args.repeats)]
+
+        calls = 200_000
+        skip = TrainingTelemetry(TelemetryConfig(output_dir=out, collect_every_n=10**9))
+        start = time.perf_counter()
+        for i in range(1, calls + 1):
+            skip.on_batch_end(model, optimizer, i, 0)
+        per_call_us = (time.perf_counter() - start) / calls * 1e6
+
+    collection = statistics.median(times)
+    rise = max(rises)
+    print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f}M parameters, "
+          f"{model_bytes / 2**20:.0f} MiB; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"copy bandwidth (measured here): {bandwidth / 2**30:.2f} GiB/s")
+    print(f"collection: median {collection * 1e3:.0f} ms over {args.repeats} "
+          f"(min {min(times) * 1e3:.0f}, max {max(times) * 1e3:.0f}); training step {statistics.median(step_times) * 1e3:.0f} ms")
+    print(f"bandwidth floor (4 x model bytes / copy bandwidth): {floor * 1e3:.0f} ms")
+    print(f"RATIO collection / floor: {collection / floor:.2f}x   (target <= 2x)")
+    print(f"RATIO peak RSS rise during a collection / model size: {rise / model_bytes:.1%}   (target < 10%)")
+    print(f"non-collecting call: {per_call_us:.2f} us   (target < 5 us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,550 @@
+"""Core telemetry: every number is checked against a reference computed another way."""
+
+import collections
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import telemetry
+from telemetry import TelemetryConfig, TrainingTelemetry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def strict_json(line):
+    def reject(token):
+        raise ValueError(f"non-strict JSON token {token}")
+    return json.loads(line, parse_constant=reject)
+
+
+def read_records(run_dir):
+    with open(os.path.join(run_dir, "telemetry.jsonl")) as f:
+        return [strict_json(line) for line in f]
+
+
+class TwoPart(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.backbone(x)))
+
+
+def make_run(tmp_path, model=None, **config):
+    torch.manual_seed(0)
+    model = model or TwoPart()
+    optimizer = torch.optim.SGD([
+        {"params": model.backbone.parameters(), "lr": 0.01, "name": "backbone"},
+        {"params": model.head.parameters(), "lr": 0.1, "name": "head"},
+    ])
+    cfg = TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=1, strict=True, **config)
+    return model, optimizer, TrainingTelemetry(cfg)
+
+
+def train_step(model, optimizer, x=None, y=None):
+    x = torch.randn(12, 8) if x is None else x
+    y = torch.randint(0, 3, (12,)) if y is None else y
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss, (x, y)
+
+
+# ---- config ---------------------------------------------------------------------------------------
+
+
+def test_unknown_key_names_the_key_and_suggests_the_closest():
+    with pytest.raises(ValueError, match=r"collect_every_nn.*did you mean collect_every_n\?"):
+        TelemetryConfig.from_dict({"collect_every_nn": 5})
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"collect_every_n": "10"}, "collect_every_n"),
+    ({"collect_every_n": True}, "collect_every_n"),
+    ({"enabled": "yes"}, "enabled"),
+    ({"holdout_size": 2.5}, "holdout_size"),
+    ({"groups": {"head": [3]}}, "groups"),
+    ({"collect_every_n": 0}, "collect_every_n"),
+])
+def test_bad_values_fail_at_construction_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        TelemetryConfig.from_dict(bad)
+
+
+def test_output_dir_that_cannot_be_written_fails_naming_the_field(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=r"^output_dir:"):
+        TelemetryConfig(output_dir=str(blocker / "run"))
+
+
+def test_from_yaml_reads_the_shipped_file_and_kwargs_override(tmp_path):
+    cfg = TelemetryConfig.from_yaml(os.path.join(ROOT, "telemetry.yaml"), output_dir=str(tmp_path),
+                                    collect_every_n=7)
+    assert cfg.collect_every_n == 7 and cfg.output_dir == str(tmp_path)
+    assert cfg.batch_label_key == "winner"  # from the file
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("collect_every_n: 3\ncollect_every_nn: 4\n")
+    with pytest.raises(ValueError, match="did you mean collect_every_n"):
+        TelemetryConfig.from_yaml(str(flat))
+
+
+def test_every_config_field_is_documented_in_the_yaml():
+    import yaml
+    with open(os.path.join(ROOT, "telemetry.yaml")) as f:
+        text = f.read()
+    documented = yaml.safe_load(text)["telemetry"]
+    fields = {f.name for f in telemetry.dataclasses.fields(TelemetryConfig)}
+    assert fields <= set(documented), fields - set(documented)
+    for name in fields:  # one-line comment on each
+        line = next(l for l in text.splitlines() if l.strip().startswith(name + ":"))
+        assert "#" in line, line
+
+
+# ---- gradient norms -------------------------------------------------------------------------------
+
+
+def test_gradient_norms_match_get_total_norm_and_groups_add_up(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    loss, _ = train_step(model, optimizer)
+    rec = tel.on_batch_end(model, optimizer, 0, 0, loss=loss)
+    grads = [p.grad for p in model.parameters()]
+    expect = torch.nn.utils.get_total_norm(grads, 2.0).item()
+    norms = rec["gradient_norm"]
+    assert norms["overall"] == pytest.approx(expect, rel=1e-6)
+    assert norms["backbone"] == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in model.backbone.parameters()]).item(), rel=1e-6)
+    assert norms["head"] == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in model.head.parameters()]).item(), rel=1e-6)
+    assert norms["backbone"] ** 2 + norms["head"] ** 2 == pytest.approx(norms["overall"] ** 2, rel=1e-6)
+
+
+def test_config_groups_by_name_pattern(tmp_path):
+    model, optimizer, tel = make_run(tmp_path, groups={"first": ["backbone.0"], "head": ["head.*"]})
+    train_step(model, optimizer)
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+    norms = rec["gradient_norm"]
+    assert norms["first"] == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in model.backbone[0].parameters()]).item(), rel=1e-6)
+    assert norms["other"] == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in model.backbone[3].parameters()]).item(), rel=1e-6)
+    assert norms["first"] ** 2 + norms["head"] ** 2 + norms["other"] ** 2 == pytest.approx(
+        norms["overall"] ** 2, rel=1e-6)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["groups"]["first"]["names"] == ["backbone.0.weight", "backbone.0.bias"]
+
+
+def test_half_precision_gradients_are_normed_in_float32(tmp_path):
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    for p in model.parameters():
+        p.grad = (torch.randn_like(p, dtype=torch.float32) * 300).to(torch.bfloat16)
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+    expect = torch.nn.utils.get_total_norm([p.grad.float() for p in model.parameters()]).item()
+    assert rec["gradient_norm"]["overall"] == pytest.approx(expect, rel=1e-6)
+
+
+def test_zeroed_gradients_record_null_and_warn_with_the_fix(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    train_step(model, optimizer)
+    optimizer.zero_grad()  # set_to_none: the common wrong order
+    with pytest.warns(RuntimeWarning, match="before zero_grad"):
+        rec = tel.on_batch_end(model, optimizer, 0, 0)
+    assert rec["gradient_norm"]["overall"] is None
+    assert rec["gradient_norm"]["head"] is None
+    line = read_records(tmp_path / "run")[-1]
+    assert line["gradient_norm"]["overall"] is None and "nonfinite" not in line
+
+
+def test_group_without_gradients_is_null_not_zero(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    train_step(model, optimizer)
+    for p in model.head.parameters():
+        p.grad = None
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+    assert rec["gradient_norm"]["head"] is None
+    assert rec["gradient_norm"]["overall"] == pytest.approx(rec["gradient_norm"]["backbone"], rel=1e-6)
+
+
+# ---- weight delta ---------------------------------------------------------------------------------
+
+
+def test_weight_delta_matches_copies_kept_by_the_test(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    train_step(model, optimizer)
+    first = tel.on_batch_end(model, optimizer, 0, 0)
+    assert first["weight_delta"] == {"overall": None, "backbone": None, "head": None}
+    kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(3):
+        train_step(model, optimizer)
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+
+    def dist(prefix):
+        return math.sqrt(sum((p.detach() - kept[n]).pow(2).sum().item()
+                             for n, p in model.named_parameters() if n.startswith(prefix)))
+
+    assert rec["weight_delta"]["overall"] == pytest.approx(dist(""), rel=1e-5)
+    assert rec["weight_delta"]["backbone"] == pytest.approx(dist("backbone"), rel=1e-5)
+    assert rec["weight_delta"]["head"] == pytest.approx(dist("head"), rel=1e-5)
+
+
+def test_reference_holds_only_trainable_weights_and_loads_without_pickle(tmp_path):
+    from safetensors.torch import load_file  # an independent reader of the file format
+
+    model, optimizer, tel = make_run(tmp_path)
+    for p in model.backbone.parameters():
+        p.requires_grad_(False)
+    train_step(model, optimizer)
+    tel.on_batch_end(model, optimizer, 0, 0)
+    path = tmp_path / "run" / "last_checkpoint.safetensors"
+    loaded = load_file(str(path))
+    assert set(loaded) == {"head.weight", "head.bias"}
+    for name, p in model.head.named_parameters():
+        assert torch.equal(loaded["head." + name], p.detach())
+    assert b"pickle" not in path.read_bytes()[:200] and path.read_bytes()[8:9] == b"{"
+
+
+def test_reference_write_is_atomic_when_interrupted(tmp_path):
+    path = str(tmp_path / "ref.safetensors")
+    good = [("a", torch.arange(4.0)), ("b", torch.ones(3))]
+    telemetry.write_tensor_file(path, good)
+    before = open(path, "rb").read()
+
+    class Exploding:  # a stand-in tensor that dies mid-write, as a crash would
+        dtype, shape = torch.float32, (2,)
+
+        def numel(self):
+            return 2
+
+        def element_size(self):
+            return 4
+
+        def detach(self):
+            raise KeyboardInterrupt("killed mid-write")
+
+    with pytest.raises(KeyboardInterrupt):
+        telemetry.write_tensor_file(path, [("a", torch.zeros(4)), ("b", Exploding())])
+    assert open(path, "rb").read() == before
+    assert not os.path.exists(path + ".tmp")
+
+
+def test_bf16_delta_is_computed_in_float32(tmp_path):
+    model = nn.Linear(256, 256).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    tel.on_batch_end(model, optimizer, 0, 0)
+    kept = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+    expect = math.sqrt(sum((p.detach().double() - k.double()).pow(2).sum().item()
+                           for p, k in zip(model.parameters(), kept)))
+    assert rec["weight_delta"]["overall"] == pytest.approx(expect, rel=1e-5)
+
+
+def test_streaming_reads_one_tensor_at_a_time(tmp_path):
+    path = str(tmp_path / "ref.safetensors")
+    tensors = [("big", torch.randn(1000)), ("small", torch.randn(10)), ("mid", torch.randn(100, 3))]
+    telemetry.write_tensor_file(path, tensors)
+    storages = set()
+    for (name, t), got in zip(tensors, telemetry.stream_tensor_file(path, [n for n, _ in tensors])):
+        assert torch.equal(got, t)
+        storages.add(got.untyped_storage().data_ptr())
+    assert len(storages) == 1  # one reused buffer, sized for the largest tensor
+
+
+def test_resume_appends_and_uses_the_reference_on_disk(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    for _ in range(2):
+        train_step(model, optimizer)
+        tel.on_batch_end(model, optimizer, 0, 0)
+    tel.close()
+    kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_step(model, optimizer)
+    again = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=1,
+                                              strict=True))
+    rec = again.on_batch_end(model, optimizer, 0, 1)
+    expect = math.sqrt(sum((p.detach() - kept[n]).pow(2).sum().item() for n, p in model.named_parameters()))
+    assert rec["weight_delta"]["overall"] == pytest.approx(expect, rel=1e-5)
+    records = read_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert len(info["starts"]) == 2
+
+
+def test_two_instances_never_mix(tmp_path):
+    m1, o1, t1 = make_run(tmp_path / "one")
+    m2 = nn.Linear(4, 2)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    t2 = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "two"), collect_every_n=1, strict=True))
+    for _ in range(2):
+        train_step(m1, o1)
+        t1.on_batch_end(m1, o1, 0, 0)
+        o2.zero_grad()
+        m2(torch.randn(3, 4)).sum().backward()
+        o2.step()
+        t2.on_batch_end(m2, o2, 0, 0)
+    r1, r2 = read_records(tmp_path / "one" / "run"), read_records(tmp_path / "two")
+    assert len(r1) == len(r2) == 2
+    assert set(r1[0]["gradient_norm"]) == {"overall", "backbone", "head"}
+    assert set(r2[0]["gradient_norm"]) == {"overall", "group_0"}
+    from safetensors.torch import load_file
+    assert set(load_file(str(tmp_path / "two" / "last_checkpoint.safetensors"))) == {"weight", "bias"}
+
+
+# ---- learning rates -------------------------------------------------------------------------------
+
+
+def test_learning_rates_are_the_current_ones_after_the_scheduler(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 0.5 ** s, lambda s: 1.0 / (1 + s)])
+    for step in range(4):
+        train_step(model, optimizer)
+        scheduler.step()
+        rec = tel.on_batch_end(model, optimizer, step, 0)
+        expected = scheduler.get_last_lr()
+        assert rec["learning_rates"]["backbone"] == pytest.approx(expected[0])
+        assert rec["learning_rates"]["head"] == pytest.approx(expected[1])
+        assert rec["learning_rates"]["overall"] == pytest.approx(max(expected))
+
+
+def test_unnamed_groups_are_group_i_and_unoptimized_params_are_visible(tmp_path):
+    model = TwoPart()
+    optimizer = torch.optim.SGD([{"params": model.head.parameters(), "lr": 0.3}], lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    train_step(model, optimizer)
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+    assert rec["learning_rates"] == {"overall": 0.3, "group_0": 0.3, "not_in_optimizer": 0.0}
+    assert rec["gradient_norm"]["not_in_optimizer"] == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in model.backbone.parameters()]).item(), rel=1e-6)
+
+
+# ---- holdout --------------------------------------------------------------------------------------
+
+
+def test_holdout_counts_examples_and_matches_a_manual_evaluation(tmp_path):
+    model, optimizer, tel = make_run(tmp_path, holdout_size=20)
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(5)]
+    tel.set_holdout_data(batches)
+    train_step(model, optimizer)
+    rec = tel.on_batch_end(model, optimizer, 0, 0)["holdout_logits"]
+    x = torch.cat([b[0] for b in batches])[:20]
+    y = torch.cat([b[1] for b in batches])[:20]
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    assert len(rec["labels"]) == 20 and rec["labels"] == y.tolist()
+    assert rec["predictions"] == logits.argmax(-1).tolist()
+    assert rec["accuracy"] == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+    assert rec["loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-5)
+    assert torch.allclose(torch.tensor(rec["logits"]), logits, atol=1e-6)
+
+
+def test_holdout_with_custom_forward_for_siamese_batches(tmp_path):
+    sys.path.insert(0, ROOT)
+    from example_train import SiameseWinner
+
+    model = SiameseWinner()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True,
+                                            holdout_size=6))
+    batch = {"img1": torch.randn(6, 256), "img2": torch.randn(6, 256), "winner": torch.tensor([0, 1] * 3)}
+    tel.set_holdout_data([batch], forward=lambda m, b: m(b["img1"], b["img2"]), labels=lambda b: b["winner"])
+    rec = tel.on_batch_end(model, optimizer, 0, 0)["holdout_logits"]
+    model.eval()
+    with torch.no_grad():
+        expect = model(batch["img1"], batch["img2"]).argmax(-1).tolist()
+    assert rec["predictions"] == expect and rec["labels"] == [0, 1] * 3
+    # the default dict path (model(**batch without the label)) gives the same answer
+    tel2 = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "b"), collect_every_n=1, strict=True))
+    tel2.set_holdout_data(batch)
+    assert tel2.on_batch_end(model, optimizer, 0, 0)["holdout_logits"]["predictions"] == expect
+
+
+def test_holdout_restores_modes_and_rng(tmp_path):
+    model, optimizer, tel = make_run(tmp_path, model=TwoPart(dropout=0.5))
+    tel.set_holdout_data([(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))])
+    model.train()
+    model.backbone[0].eval()  # a user's deliberate per-module mode must survive
+    before = {name: m.training for name, m in model.named_modules()}
+    rng = torch.get_rng_state()
+    tel.on_batch_end(model, optimizer, 0, 0)
+    assert {name: m.training for name, m in model.named_modules()} == before
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def _seeded_run(out_dir, telemetry_on):
+    sys.path.insert(0, ROOT)
+    import example_train
+    return example_train.train("healthy", out=out_dir, collect_every_n=1, telemetry_on=telemetry_on,
+                               epochs=1, quiet=True, seed=7)
+
+
+def test_non_invasive_bit_identical_weights_with_dropout(tmp_path):
+    with_tel = _seeded_run(str(tmp_path / "on"), True)
+    without = _seeded_run(str(tmp_path / "off"), False)
+    assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in with_tel.modules())
+    records = read_records(tmp_path / "on")
+    assert len(records) == 128 and all("holdout_logits" in r for r in records)
+    for (n, a), (_, b) in zip(with_tel.state_dict().items(), without.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+# ---- batch stats ----------------------------------------------------------------------------------
+
+
+def test_batch_stats_match_a_counter(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    labels = torch.tensor([0, 1, 1, 1, 2, 2, 1, 0, 1, 1, 1, 2])
+    loss, batch = train_step(model, optimizer, y=labels)
+    stats = tel.on_batch_end(model, optimizer, 0, 0, batch=batch)["batch_stats"]
+    counts = collections.Counter(labels.tolist())
+    assert stats["batch_size"] == 12
+    assert stats["counts"] == {str(k): v for k, v in sorted(counts.items())}
+    for k, v in counts.items():
+        assert stats[f"label_{k}_pct"] == pytest.approx(100 * v / 12)
+
+
+def test_seed_dict_batch_gives_winner_keys(tmp_path):
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    batch = {"img1": torch.randn(8, 4), "img2": torch.randn(8, 4), "winner": torch.tensor([1, 1, 1, 0] * 2)}
+    stats = tel.on_batch_end(model, optimizer, 0, 0, None, batch)["batch_stats"]  # seed's positional call
+    assert stats["winner_0_pct"] == 25.0 and stats["winner_1_pct"] == 75.0 and stats["batch_size"] == 8
+
+
+# ---- records --------------------------------------------------------------------------------------
+
+
+def test_collects_on_batch_idx_and_counts_steps_across_epochs(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    tel.config.collect_every_n = tel._every = 3
+    for epoch in range(2):
+        for batch_idx in range(1, 8):
+            train_step(model, optimizer)
+            tel.on_batch_end(model, optimizer, batch_idx, epoch)
+    records = read_records(tmp_path / "run")
+    assert [(r["epoch"], r["batch_idx"], r["step"]) for r in records] == [
+        (0, 3, 3), (0, 6, 6), (1, 3, 10), (1, 6, 13)]
+
+
+def test_loss_and_scalars_recorded_and_nonfinite_stays_strict_json(tmp_path):
+    model, optimizer, tel = make_run(tmp_path)
+    train_step(model, optimizer)
+    next(model.head.parameters()).grad[0, 0] = float("nan")
+    tel.on_batch_end(model, optimizer, 0, 0, loss=torch.tensor(float("inf")), train_acc=torch.tensor(0.75),
+                     note="warmup", tokens=1024)
+    raw = open(tmp_path / "run" / "telemetry.jsonl").read()
+    assert "NaN" not in raw and "Infinity" not in raw
+    rec = read_records(tmp_path / "run")[-1]
+    assert rec["loss"] is None and rec["train_acc"] == 0.75 and rec["tokens"] == 1024 and rec["note"] == "warmup"
+    assert rec["gradient_norm"]["head"] is None and rec["gradient_norm"]["overall"] is None
+    assert {"loss", "gradient_norm.overall", "gradient_norm.head"} <= set(rec["nonfinite"])
+    assert rec["schema"] == telemetry.SCHEMA_VERSION and rec["telemetry_ms"] > 0
+
+
+def test_to_host_keeps_shapes_and_integer_types():
+    rec = {"a": torch.tensor(1.5), "b": {"c": torch.tensor([[1, 2], [3, 4]]), "d": torch.tensor([True, False])},
+           "e": [torch.tensor(2.0), 3]}
+    assert telemetry.to_host(rec) == {"a": 1.5, "b": {"c": [[1, 2], [3, 4]], "d": [True, False]}, "e": [2.0, 3]}
+
+
+# ---- fail-safe ------------------------------------------------------------------------------------
+
+
+def test_metric_errors_are_recorded_and_warned_once_or_raised_when_strict(tmp_path):
+    model, optimizer, _ = make_run(tmp_path)
+
+    def broken_forward(m, b):
+        raise RuntimeError("holdout exploded")
+
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "lenient"), collect_every_n=1))
+    tel.set_holdout_data([(torch.randn(2, 8), torch.tensor([0, 1]))], forward=broken_forward)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            train_step(model, optimizer)
+            tel.on_batch_end(model, optimizer, 0, 0)
+    relevant = [w for w in caught if "holdout_logits failed" in str(w.message)]
+    assert len(relevant) == 1
+    records = read_records(tmp_path / "lenient")
+    assert len(records) == 3 and all(r["errors"]["holdout_logits"] == "RuntimeError: holdout exploded"
+                                     for r in records)
+    assert all(r["gradient_norm"]["overall"] > 0 for r in records)
+
+    strict = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "strict"), collect_every_n=1,
+                                               strict=True))
+    strict.set_holdout_data([(torch.randn(2, 8), torch.tensor([0, 1]))], forward=broken_forward)
+    with pytest.raises(RuntimeError, match="holdout exploded"):
+        strict.on_batch_end(model, optimizer, 0, 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to simulate a full disk")
+def test_full_disk_warns_once_and_training_goes_on(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink("/dev/full", run / "telemetry.jsonl")
+    os.symlink("/dev/full", run / "last_checkpoint.safetensors.tmp")
+    model, optimizer, _ = make_run(tmp_path)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            train_step(model, optimizer)
+            tel.on_batch_end(model, optimizer, 0, 0)
+    disk = [w for w in caught if "cannot write" in str(w.message)]
+    assert len(disk) == 1 and "training goes on" in str(disk[0].message)
+    assert not (run / "last_checkpoint.safetensors").exists()
+
+
+def test_disabled_writes_nothing(tmp_path):
+    model, optimizer, _ = make_run(tmp_path)
+    tel = TrainingTelemetry(TelemetryConfig(enabled=False, output_dir=str(tmp_path / "off")))
+    train_step(model, optimizer)
+    assert tel.on_batch_end(model, optimizer, 0, 0) is None
+    assert not (tmp_path / "off").exists()
+
+
+def test_seed_usage_works_unchanged(tmp_path):
+    """The seed's own integration example and analysis snippet, as written there."""
+    model, optimizer, _ = make_run(tmp_path)
+    telemetry_config = TelemetryConfig(enabled=True, collect_every_n=200, output_dir=tmp_path / "telemetry",
+                                       track_gradients=True, track_weight_delta=True, track_learning_rates=True,
+                                       track_holdout_logits=True, track_batch_stats=True, holdout_size=50)
+    tel = TrainingTelemetry(telemetry_config)
+    tel.set_holdout_data([(torch.randn(8, 8), torch.randint(0, 3, (8,))) for _ in range(10)])
+    for batch_idx in range(1, 401):
+        loss, batch = train_step(model, optimizer)
+        tel.on_batch_end(model, optimizer, batch_idx, 0, "cpu", batch)
+    metrics = []
+    with open(tmp_path / "telemetry" / "telemetry.jsonl") as f:
+        for line in f:
+            metrics.append(json.loads(line))
+    assert [m["batch_idx"] for m in metrics] == [200, 400]
+    assert all(m["gradient_norm"]["overall"] > 0 for m in metrics)
+    assert len(metrics[0]["holdout_logits"]["labels"]) == 50
+
+
+def test_imports_with_torch_and_the_standard_library_only():
+    blocked = ("yaml", "transformers", "peft", "unsloth", "wandb", "lightning", "matplotlib", "numpy",
+               "safetensors", "psutil", "pynvml")
+    code = (f"import sys; [sys.modules.__setitem__(m, None) for m in {blocked!r}]; import telemetry; "
+            "print(telemetry.TrainingTelemetry.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "TrainingTelemetry"
