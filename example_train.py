@@ -8,6 +8,12 @@ groups. Scenarios plant the problems telemetry is for:
     python example_train.py --scenario overfit       # tiny train set: train acc climbs, holdout ~50%
     python example_train.py --scenario frozen_backbone | imbalanced | exploding | zero_grad_first
     python analyze_telemetry.py runs/healthy
+
+The LoRA run (a tiny Llama + peft LoRA on generated "a+b=c" text, through transformers.Trainer and
+telemetry.hf_callback()), and the same through unsloth and TRL's SFTTrainer where there is a GPU:
+
+    python example_train.py --lora                   # CPU, under a minute, writes runs/lora
+    python example_train.py --save-tiny-llama /tmp/tiny-llama && python example_train.py --unsloth /tmp/tiny-llama
 """
 
 from __future__ import annotations
@@ -121,6 +127,175 @@ def train(scenario: str = "healthy", out: str = None, config_path: str = "teleme
     return model
 
 
+# ---- LoRA: a tiny Llama with peft LoRA through transformers.Trainer (CPU), or unsloth + TRL (GPU) -------
+# Text is single-digit "a+b=c" arithmetic; the prompt "a+b=" is masked out of the labels (-100), as in SFT,
+# and the holdout logs the logits of the ten digits where the answer starts (holdout_token_ids).
+
+ARITH_VOCAB = ["<pad>", "<s>", "</s>", "<unk>"] + list("0123456789+=\n")
+CHAR_IDS = {t: i for i, t in enumerate(ARITH_VOCAB)}
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+ARITH_LEN = 10  # <s> + "9+9=18\n" + </s> fits, padded to a fixed length
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def arithmetic_pairs(n: int, generator: torch.Generator, top: int = 10):
+    """(prompt, answer) strings such as ("12+7=", "19\\n")."""
+    ab = torch.randint(0, top, (n, 2), generator=generator).tolist()
+    return [(f"{a}+{b}=", f"{a + b}\n") for a, b in ab]
+
+
+def encode_pair(prompt: str, answer: str, length: int = ARITH_LEN):
+    """Char-level ids, right-padded; labels are -100 on the prompt and on padding (only the answer trains)."""
+    ids = [BOS_ID] + [CHAR_IDS[c] for c in prompt + answer] + [EOS_ID]
+    supervised = len(prompt) + 1  # <s> and the prompt
+    ids, pad = ids[:length], length - min(len(ids), length)
+    labels = [-100] * supervised + ids[supervised:]
+    return {"input_ids": torch.tensor(ids + [PAD_ID] * pad), "labels": torch.tensor(labels + [-100] * pad),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad)}
+
+
+class ArithmeticDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int):
+        self.items = [encode_pair(p, a) for p, a in arithmetic_pairs(n, torch.Generator().manual_seed(seed))]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    spec = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=len(ARITH_VOCAB), max_position_embeddings=64,
+                pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    return LlamaConfig(**{**spec, **overrides})
+
+
+def train_lora(out: str = os.path.join("runs", "lora"), max_steps: int = 300, collect_every_n: int = 10,
+               seed: int = 0, quiet: bool = False):
+    """Tiny LlamaForCausalLM (built from a config, no download) + peft LoRA, trained by transformers.Trainer
+    on the CPU with telemetry.hf_callback(). Returns the trained peft model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small runs faster on one thread than on a contended pool
+    try:
+        return _train_lora(out, max_steps, collect_every_n, seed, quiet, get_peft_model, LoraConfig,
+                           LlamaForCausalLM, Trainer, TrainingArguments)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_lora(out, max_steps, collect_every_n, seed, quiet, get_peft_model, LoraConfig, LlamaForCausalLM,
+                Trainer, TrainingArguments):
+    # A Trainer run starts again at step 1: start the run directory afresh too, rather than append to it.
+    for name in ("telemetry.jsonl", "run.json", "last_checkpoint.safetensors", "initial_weights.safetensors"):
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    torch.manual_seed(seed)
+    # The random base's lm_head is trained too (modules_to_save): with a frozen random head and the final
+    # RMSNorm the logits could never grow confident, whatever the adapters learn.
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()),
+                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                                      modules_to_save=["lm_head"]))
+    lr = 5e-3
+    groups: dict = {"lora_A": [], "lora_B": [], "lm_head": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups["lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "lm_head"].append(p)
+    # LoRA+ style: B learns 4x faster than A. Named groups, so every group's lr shows in the records.
+    optimizer = torch.optim.AdamW([{"params": groups["lora_A"], "lr": lr, "name": "lora_A"},
+                                   {"params": groups["lora_B"], "lr": 4 * lr, "name": "lora_B"},
+                                   {"params": groups["lm_head"], "lr": lr, "name": "lm_head"}], weight_decay=0.0)
+    telemetry = TrainingTelemetry(TelemetryConfig(
+        output_dir=out, collect_every_n=collect_every_n, holdout_size=64, batch_label_key="labels",
+        holdout_token_ids=[CHAR_IDS[d] for d in "0123456789"]))
+    holdout = ArithmeticDataset(64, seed=10_000 + seed)
+    telemetry.set_holdout_data({k: torch.stack([x[k] for x in holdout.items]) for k in holdout.items[0]})
+    args = TrainingArguments(output_dir=os.path.join(out, "trainer"), max_steps=max_steps,
+                             per_device_train_batch_size=32, learning_rate=lr, lr_scheduler_type="linear",
+                             warmup_steps=max_steps // 20, logging_steps=collect_every_n, save_strategy="no",
+                             report_to=[], use_cpu=True, seed=seed, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=ArithmeticDataset(4096, seed=seed),
+                      optimizers=(optimizer, None), callbacks=[telemetry.hf_callback()])
+    if quiet:
+        from transformers.trainer_callback import PrinterCallback
+        trainer.remove_callback(PrinterCallback)
+    started = time.time()
+    trainer.train()
+    if not quiet:
+        print(f"trained LoRA in {time.time() - started:.1f}s; run directory: {out}")
+        print(f"analyze it with: python analyze_telemetry.py {out}")
+    return model
+
+
+def save_tiny_llama(path: str, seed: int = 0) -> str:
+    """Save a tiny Llama with a char-level tokenizer (made here, no download) for --unsloth to load."""
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    # head_dim 64: the size unsloth's fused kernels are written for.
+    LlamaForCausalLM(tiny_llama_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                       num_key_value_heads=2)).save_pretrained(path)
+    tokenizer = Tokenizer(models.BPE(vocab=CHAR_IDS, merges=[], unk_token="<unk>"))  # no merges: chars
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>", model_max_length=64).save_pretrained(path)
+    return path
+
+
+def train_unsloth(model_dir: str, out: str = os.path.join("runs", "unsloth"), max_steps: int = 60,
+                  collect_every_n: int = 5, seed: int = 0) -> int:
+    """The same run through unsloth.FastLanguageModel and TRL's SFTTrainer, on a GPU. Returns an exit code:
+    2 when this machine cannot run unsloth (no CUDA GPU, or unsloth/trl missing)."""
+    if not torch.cuda.is_available():
+        print("--unsloth needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
+              "unsloth does not run on the CPU. Use --lora for the CPU version of this run.", file=sys.stderr)
+        return 2
+    if "transformers" in sys.modules or "peft" in sys.modules:
+        print("note: transformers/peft were imported before unsloth; unsloth may not patch them",
+              file=sys.stderr)
+    try:
+        import unsloth  # noqa: F401  first: it patches transformers, peft and trl as they are imported
+        from unsloth import FastLanguageModel
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+    except Exception as exc:  # ImportError, or unsloth's own "cannot find any torch accelerator"
+        print(f"--unsloth: cannot import unsloth/trl/datasets ({type(exc).__name__}: {exc}); "
+              "pip install unsloth", file=sys.stderr)
+        return 2
+    import inspect
+
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name=model_dir, max_seq_length=64, dtype=None,
+                                                         load_in_4bit=False)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
+                                             target_modules=LORA_TARGETS, use_gradient_checkpointing=False,
+                                             random_state=seed)
+    texts = [p + a for p, a in arithmetic_pairs(2048, torch.Generator().manual_seed(seed))]
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out, collect_every_n=collect_every_n,
+                                                  holdout_size=32, batch_label_key="labels"))
+    held = tokenizer([p + a for p, a in arithmetic_pairs(32, torch.Generator().manual_seed(10_000 + seed))],
+                     return_tensors="pt", padding=True)
+    telemetry.set_holdout_data({"input_ids": held["input_ids"], "attention_mask": held["attention_mask"],
+                                "labels": held["input_ids"].masked_fill(held["attention_mask"] == 0, -100)})
+    fields = inspect.signature(SFTConfig).parameters  # TRL renamed max_seq_length to max_length
+    length_key = "max_length" if "max_length" in fields else "max_seq_length"
+    config = SFTConfig(output_dir=os.path.join(out, "trainer"), max_steps=max_steps, learning_rate=2e-3,
+                       per_device_train_batch_size=16, logging_steps=1, save_strategy="no", report_to="none",
+                       seed=seed, dataset_text_field="text", **{length_key: 64})
+    takes = inspect.signature(SFTTrainer.__init__).parameters
+    tokenizer_arg = {"processing_class" if "processing_class" in takes else "tokenizer": tokenizer}
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
+                         callbacks=[telemetry.hf_callback()], **tokenizer_arg)
+    trainer.train()
+    print(f"trained with unsloth; run directory: {out}\nanalyze it with: python analyze_telemetry.py {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="healthy")
@@ -130,7 +305,25 @@ def main(argv=None) -> int:
     parser.add_argument("--collect-every-n", type=int, help="override collect_every_n from the config")
     parser.add_argument("--epochs", type=int, help="override the scenario's number of epochs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora", action="store_true",
+                        help="tiny Llama + peft LoRA through transformers.Trainer on the CPU (runs/lora)")
+    parser.add_argument("--unsloth", metavar="MODEL_DIR",
+                        help="the LoRA run through unsloth and TRL's SFTTrainer on a GPU (runs/unsloth)")
+    parser.add_argument("--save-tiny-llama", metavar="DIR",
+                        help="save a tiny Llama and tokenizer to DIR for --unsloth, then exit")
+    parser.add_argument("--max-steps", type=int, help="optimizer steps of the --lora/--unsloth run")
     args = parser.parse_args(argv)
+    steps = {"max_steps": args.max_steps} if args.max_steps else {}
+    every = {"collect_every_n": args.collect_every_n} if args.collect_every_n else {}
+    if args.unsloth:  # before anything imports transformers or peft: unsloth must come first
+        return train_unsloth(args.unsloth, args.out or os.path.join("runs", "unsloth"), seed=args.seed,
+                             **steps, **every)
+    if args.save_tiny_llama:
+        print(f"saved a tiny Llama to {save_tiny_llama(args.save_tiny_llama, args.seed)}")
+        return 0
+    if args.lora:
+        train_lora(args.out or os.path.join("runs", "lora"), seed=args.seed, **steps, **every)
+        return 0
     train(args.scenario, args.out, args.config, args.collect_every_n, args.seed, epochs=args.epochs)
     return 0
 

@@ -16,15 +16,18 @@ unsloth, wandb and lightning are imported lazily, where they are used.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import datetime
 import difflib
 import fnmatch
 import json
+import logging
 import math
 import os
 import random
+import statistics
 import sys
 import time
 import typing
@@ -43,6 +46,7 @@ IGNORE_INDEX = -100  # label value that HF losses skip (padding, prompt tokens)
 LABEL_KEYS = ("labels", "label", "winner", "target", "targets", "y")
 MAX_LOGGED_CLASSES = 64  # above this, holdout logits are summarised instead of stored per class
 MAX_BALANCE_VALUES = 32  # above this many distinct labels, batch balance is summarised
+CHUNK_BYTES = 4 << 20  # the reference is streamed in pieces this big: fits in cache, bounds extra memory
 
 
 # =====================================================================================================
@@ -71,11 +75,37 @@ class TelemetryConfig:
     batch_label_key: Optional[str] = None  # label key in dict batches; unset: the first of LABEL_KEYS found
     strict: bool = False  # raise metric errors instead of recording them (tests use this)
 
+    # LoRA and language models.
+    track_lora: bool = True  # with LoRA modules (peft/unsloth): the `lora` section and lora_A/lora_B groups
+    holdout_token_ids: Optional[List[int]] = None  # LM holdout: log these tokens' logits per example
+
+    # Training dynamics. The defaults stay cheap; the expensive analyses are off until asked for.
+    track_layer_stats: bool = False  # per-layer gradient mean/std/min/max/zero/NaN/Inf counts and weight norm
+    layer_stats_by: str = "layer"  # "layer" (index / module name), "group" or "tensor": rows per record
+    track_update_ratio: bool = True  # ||dW||/||W||, drift ||W - W_0|| and ||W|| per group, from the delta's pass
+    track_param_change: bool = False  # L1/L2/max/mean/std, sparsity and sign flips of the delta (seed 002)
+    # |dW| <= t counts as unchanged; absolute thresholds as in seed 002.
+    param_change_thresholds: List[float] = dataclasses.field(default_factory=lambda: [1e-8, 1e-6, 1e-4])
+    # |dW| <= t * |W|: scale-free, so a bf16 rounding step (~4e-3 relative) reads as a change.
+    param_change_rel_thresholds: List[float] = dataclasses.field(default_factory=lambda: [1e-4, 1e-3, 1e-2])
+    track_sparse_quality: bool = False  # holdout outputs with only |dW| > t applied vs the full update
+    sparse_quality_thresholds: List[float] = dataclasses.field(default_factory=lambda: [1e-8, 1e-6, 1e-4])
+    track_system: bool = True  # step time, throughput, RSS, CUDA memory: a few clock/counter reads
+    alerts: bool = True  # online alerts (spikes, NaN, LR 0, frozen groups), logged when they start
+    alert_window: int = 50  # records in the rolling median/MAD window of loss and gradient norm
+    alert_spike_threshold: float = 6.0  # robust z-score (MADs from the rolling median) that makes a spike
+    alert_explosion_factor: float = 10.0  # gradient norm this many times its rolling median: explosion
+
+    # Mirrors: each record's numbers also go to "wandb" (the active run) and/or "tensorboard" (output_dir/tb).
+    mirror: List[str] = dataclasses.field(default_factory=list)  # telemetry.jsonl stays the source of truth
+
     def __post_init__(self):
         if isinstance(self.output_dir, os.PathLike):
             self.output_dir = os.fspath(self.output_dir)
         if isinstance(self.groups, dict):
             self.groups = {k: [v] if isinstance(v, str) else v for k, v in self.groups.items()}
+        if isinstance(self.mirror, str):  # `mirror: wandb` in YAML
+            self.mirror = [self.mirror]
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
@@ -83,6 +113,23 @@ class TelemetryConfig:
             raise ValueError(f"collect_every_n: must be >= 1, got {self.collect_every_n}")
         if self.holdout_size < 0:
             raise ValueError(f"holdout_size: must be >= 0, got {self.holdout_size}")
+        unknown = [m for m in self.mirror if m not in MIRRORS]
+        if unknown:
+            raise ValueError(f"mirror: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(MIRRORS)}")
+        if self.layer_stats_by not in LAYER_STATS_BY:
+            raise ValueError(f"layer_stats_by: must be one of {', '.join(LAYER_STATS_BY)}, "
+                             f"got {self.layer_stats_by!r}")
+        for name in ("param_change_thresholds", "param_change_rel_thresholds", "sparse_quality_thresholds"):
+            values = [float(v) for v in getattr(self, name)]
+            if any(not math.isfinite(v) or v < 0 for v in values):
+                raise ValueError(f"{name}: thresholds must be finite and >= 0, got {values}")
+            setattr(self, name, values)
+        if self.alert_window < 5:
+            raise ValueError(f"alert_window: must be >= 5 (a median of fewer is no baseline), "
+                             f"got {self.alert_window}")
+        if self.alert_spike_threshold <= 0 or self.alert_explosion_factor <= 1:
+            raise ValueError("alert_spike_threshold must be > 0 and alert_explosion_factor > 1, got "
+                             f"{self.alert_spike_threshold} and {self.alert_explosion_factor}")
         if self.enabled and self.output_dir is not None:
             _check_writable_dir("output_dir", self.output_dir)
 
@@ -91,6 +138,12 @@ class TelemetryConfig:
         """Build from a dict (e.g. a YAML section). Unknown keys are an error, never silently dropped."""
         if not isinstance(config_dict, dict):
             raise ValueError(f"telemetry config: expected a mapping, got {type(config_dict).__name__}")
+        if "preset" in config_dict:  # the preset first, then every other key on top of it
+            config_dict = dict(config_dict)
+            preset = config_dict.pop("preset")
+            if preset not in _PRESETS:
+                raise ValueError(f"preset: must be one of {', '.join(_PRESETS)}, got {preset!r}")
+            config_dict = {**_PRESETS[preset], **config_dict}
         known = [f.name for f in dataclasses.fields(cls)]
         for key in config_dict:
             if key not in known:
@@ -98,6 +151,16 @@ class TelemetryConfig:
                 hint = f"; did you mean {close[0]}?" if close else f"; valid keys: {', '.join(known)}"
                 raise ValueError(f"unknown telemetry config key {key!r}{hint}")
         return cls(**config_dict)
+
+    @classmethod
+    def minimal(cls, **overrides: Any) -> "TelemetryConfig":
+        """Gradient norms, learning rates, system metrics and alerts: no disk reference, no forward passes."""
+        return cls.from_dict({"preset": "minimal", **overrides})
+
+    @classmethod
+    def comprehensive(cls, **overrides: Any) -> "TelemetryConfig":
+        """Everything, including per-layer statistics, parameter-change statistics and sparse quality."""
+        return cls.from_dict({"preset": "comprehensive", **overrides})
 
     @classmethod
     def from_yaml(cls, path: str, **overrides: Any) -> "TelemetryConfig":
@@ -109,6 +172,21 @@ class TelemetryConfig:
         if isinstance(data, dict) and isinstance(data.get("telemetry"), dict) and len(data) == 1:
             data = data["telemetry"]
         return cls.from_dict({**data, **overrides})
+
+
+LAYER_STATS_BY = ("layer", "group", "tensor")
+MIRRORS = ("wandb", "tensorboard")
+# Presets are plain overrides of the defaults; `preset:` in YAML applies one before the other keys.
+_PRESETS: Dict[str, Dict[str, Any]] = {
+    "minimal": dict(track_weight_delta=False, track_update_ratio=False, track_holdout_logits=False,
+                    track_batch_stats=False, track_layer_stats=False, track_param_change=False,
+                    track_sparse_quality=False),
+    "default": {},
+    "comprehensive": dict(track_gradients=True, track_weight_delta=True, track_learning_rates=True,
+                          track_holdout_logits=True, track_batch_stats=True, track_layer_stats=True,
+                          track_update_ratio=True, track_param_change=True, track_sparse_quality=True,
+                          track_system=True, alerts=True),
+}
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
@@ -211,11 +289,14 @@ def classification_holdout(logits: torch.Tensor, labels: torch.Tensor) -> Dict[s
     return out
 
 
-def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, Any]:
+def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
+                           token_ids: Optional[List[int]] = None) -> Dict[str, Any]:
     """Per-example mean token NLL and top-1 token accuracy for causal-LM logits [N, T, V].
 
     Labels are shifted by one as HF causal LMs do (position t predicts token t+1) and positions labelled
-    IGNORE_INDEX are skipped. The full [N, T, V] logits are never kept.
+    IGNORE_INDEX are skipped. The full [N, T, V] logits are never kept. With `token_ids`, `token_logits`
+    [N, len(token_ids)] holds those tokens' logits at the position that predicts each example's first
+    supervised token (e.g. the answer after a masked prompt; the last position if none is supervised).
     """
     logits = logits.detach()[:, :-1, :].float()
     target = labels.detach().to(logits.device)[:, 1:].long()
@@ -225,9 +306,30 @@ def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor) -> Dict[s
     correct = (logits.argmax(-1) == target) & valid
     tokens = valid.sum(1)
     per_tokens = tokens.clamp(min=1).float()
-    return {"kind": "lm", "nll": nll.sum(1) / per_tokens, "token_accuracy": correct.sum(1) / per_tokens,
-            "loss": nll.sum() / tokens.sum().clamp(min=1), "accuracy": correct.sum() / tokens.sum().clamp(min=1),
-            "tokens": tokens}
+    out = {"kind": "lm", "nll": nll.sum(1) / per_tokens, "token_accuracy": correct.sum(1) / per_tokens,
+           "loss": nll.sum() / tokens.sum().clamp(min=1), "accuracy": correct.sum() / tokens.sum().clamp(min=1),
+           "tokens": tokens}
+    if token_ids:
+        first = torch.where(valid.any(1), valid.int().argmax(1), valid.shape[1] - 1)  # argmax: first max
+        rows = logits[torch.arange(logits.shape[0], device=logits.device), first]
+        out.update(token_ids=list(token_ids), token_logits=rows[:, torch.tensor(token_ids, device=rows.device)])
+    return out
+
+
+def merge_lm_holdout(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Combine language_model_holdout results of several batches: per-example lists are concatenated and
+    loss/accuracy are re-weighted by each batch's supervised token count, as if computed in one batch."""
+    if len(parts) == 1:
+        return parts[0]
+    out = dict(parts[0])
+    for key in ("nll", "token_accuracy", "tokens", "token_logits"):
+        if key in out:
+            out[key] = torch.cat([p[key] for p in parts])
+    tokens = torch.stack([p["tokens"].sum() for p in parts]).float()
+    total = tokens.sum().clamp(min=1)
+    out["loss"] = (torch.stack([p["loss"] for p in parts]) * tokens).sum() / total
+    out["accuracy"] = (torch.stack([p["accuracy"].float() for p in parts]) * tokens).sum() / total
+    return out
 
 
 def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
@@ -396,6 +498,393 @@ def replace_nonfinite(record: Any, path: str = "", found: Optional[List[str]] = 
     return record, found
 
 
+# ---- LoRA: duck-typed, so peft's and unsloth's layers both qualify and neither is imported --------------
+
+
+def find_lora_modules(model: torch.nn.Module) -> List[tuple]:
+    """(module name, module, adapter name) for every LoRA adapter of every LoRA module, in model order.
+
+    A LoRA module has `lora_A` and `lora_B` containers keyed by adapter name (peft's nn.ModuleDict, which
+    unsloth reuses; a plain dict passes too) and a `scaling` dict with one entry per adapter.
+    """
+    found = []
+    for name, module in model.named_modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and hasattr(module, "lora_A") and hasattr(module, "lora_B"):
+            found.extend((name, module, adapter) for adapter in scaling if lora_factors(module, adapter))
+    return found
+
+
+def lora_factors(module: torch.nn.Module, adapter: str) -> Optional[tuple]:
+    """The (A, B) parameters of one adapter, with dW = scaling * B @ A for A as [r, fan_in], B as [fan_out, r].
+
+    Linear and conv LoRA keep modules in lora_A/lora_B (conv A is [r, in, k, k], B a 1x1 [out, r, 1, 1]);
+    embedding LoRA keeps bare parameters in lora_embedding_A/B. Anything else is not a low-rank pair: None.
+    """
+    for a_key, b_key in (("lora_A", "lora_B"), ("lora_embedding_A", "lora_embedding_B")):
+        a_box, b_box = getattr(module, a_key, None), getattr(module, b_key, None)
+        if a_box is None or b_box is None or adapter not in a_box or adapter not in b_box:
+            continue
+        a, b = (getattr(x, "weight", x) for x in (a_box[adapter], b_box[adapter]))
+        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and b.dim() >= 2
+                and math.prod(b.shape[1:]) == a.shape[0]):
+            return a, b
+    return None
+
+
+def dora_magnitude(module: torch.nn.Module, adapter: str) -> Optional[torch.Tensor]:
+    """DoRA's per-output-row magnitude vector m (peft's `lora_magnitude_vector`), or None without DoRA."""
+    box = getattr(module, "lora_magnitude_vector", None)
+    if box is None or adapter not in box:
+        return None
+    m = getattr(box[adapter], "weight", box[adapter])
+    return m if isinstance(m, torch.Tensor) else None
+
+
+def layer_index(name: str) -> Optional[int]:
+    """The block index in a module name: 7 for "base_model.model.model.layers.7.self_attn.q_proj"."""
+    parts = name.split(".")
+    for container, index in zip(parts, parts[1:]):
+        if container in ("layers", "layer", "h", "blocks", "block") and index.isdigit():
+            return int(index)
+    return None
+
+
+def _lora_mats(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    # float64 (float32 on mps, which has none): Grams of float32 factors then stay exact to ~1e-16.
+    wide = torch.float32 if a.device.type == "mps" else torch.float64
+    r = a.shape[0]
+    return a.detach().reshape(r, -1).to(wide), b.detach().reshape(-1, r).to(device=a.device, dtype=wide)
+
+
+def lora_norm_sq(a: torch.Tensor, b: torch.Tensor, scale: Any) -> torch.Tensor:
+    """||s B A||_F^2 = s^2 <B^T B, A A^T>, from two r x r Gram matrices: the dense B @ A is never formed.
+
+    ||BA||^2 = tr(A^T B^T B A) = tr((B^T B)(A A^T)), and a trace of a product of symmetric matrices is their
+    elementwise inner product. Cost r^2 (fan_in + fan_out) instead of r fan_in fan_out.
+    """
+    a2, b2 = _lora_mats(a, b)
+    return ((b2.T @ b2) * (a2 @ a2.T)).sum() * (scale * scale)
+
+
+def lora_delta_sq(a: torch.Tensor, b: torch.Tensor, a_prev: torch.Tensor, b_prev: torch.Tensor,
+                  scale: Any) -> torch.Tensor:
+    """||s B A - s B0 A0||_F^2 from 2r x 2r Gram matrices, without cancellation.
+
+    B A - B0 A0 = (B - B0) A + B0 (A - A0) = P Q with P = [B - B0, B0] (fan_out x 2r) and Q = [A; A - A0]
+    (2r x fan_in), so the squared norm is s^2 <P^T P, Q Q^T>. Every term is of the order of the change, so
+    a small step of a large adapter keeps full precision; expanding ||BA||^2 + ||B0A0||^2 - 2<BA, B0A0>
+    would lose it. Both states use the current scaling s.
+    """
+    a2, b2 = _lora_mats(a, b)
+    a0, b0 = _lora_mats(a_prev.to(a.device), b_prev.to(a.device))
+    p = torch.cat([b2 - b0, b0], dim=1)
+    q = torch.cat([a2, a2 - a0], dim=0)
+    return ((p.T @ p) * (q @ q.T)).sum() * (scale * scale)
+
+
+def lora_core(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The small matrix R_B R_A^T that has the singular values of B A.
+
+    With reduced QRs B = Q_B R_B and A^T = Q_A R_A, B A = Q_B (R_B R_A^T) Q_A^T, and Q_B, Q_A have
+    orthonormal columns: the SVD of an r x r matrix replaces that of the fan_out x fan_in product.
+    """
+    a2, b2 = _lora_mats(a, b)
+    return torch.linalg.qr(b2, mode="r")[1] @ torch.linalg.qr(a2.T, mode="r")[1].T
+
+
+def stable_ranks(cores: List[torch.Tensor]) -> torch.Tensor:
+    """||M||_F^2 / sigma_max(M)^2 of each matrix (0 for a zero matrix), one batched SVD per shape."""
+    if not cores:
+        return torch.zeros(0)
+    out = torch.zeros(len(cores), dtype=cores[0].dtype, device=cores[0].device)
+    buckets: Dict[Any, List[int]] = {}
+    for i, m in enumerate(cores):
+        buckets.setdefault((tuple(m.shape), m.device), []).append(i)
+    for idx in buckets.values():
+        sv = torch.linalg.svdvals(torch.stack([cores[i] for i in idx]))  # [n, k], descending
+        top = sv[:, 0].square()
+        ranks = torch.where(top > 0, sv.square().sum(1) / top.clamp(min=torch.finfo(top.dtype).tiny), 0.0)
+        out[torch.tensor(idx, device=out.device)] = ranks.to(out.device)
+    return out
+
+
+def _by_layer(values_sq: torch.Tensor, layers: List[Optional[int]]) -> Dict[str, Any]:
+    # Root-sum-square: the Frobenius norm of all adapters of a layer (and of the model) taken together.
+    out: Dict[str, Any] = {"overall": values_sq.sum().sqrt()}
+    index = sorted({i for i in layers if i is not None})
+    if index:
+        rows = torch.tensor([index.index(i) if i is not None else len(index) for i in layers],
+                            device=values_sq.device)
+        per = torch.zeros(len(index) + 1, dtype=values_sq.dtype, device=values_sq.device)
+        per = per.index_add(0, rows, values_sq).sqrt()
+        out.update((f"layer_{i}", per[k]) for k, i in enumerate(index))
+    return out
+
+
+def lora_stats(entries: List[tuple], previous: Optional[Any] = None) -> Dict[str, Any]:
+    """The `lora` record section from [(module name, A, B, scale)] (see lora_factors).
+
+    `previous` yields (A0, B0) for each entry, in order, as of the last collection; None (no reference yet)
+    leaves adapter_delta null. Norms are Frobenius norms of dW = s B A, combined over modules (and per layer
+    index) by root-sum-square. For DoRA they cover the low-rank part s B A, not the magnitude rescaling.
+    """
+    prev = iter(previous) if previous is not None else None
+    device = entries[0][1].device
+    norm_sq, delta_sq, b_nonzero, cores = [], [], [], []
+    for _, a, b, scale in entries:
+        norm_sq.append(lora_norm_sq(a, b, scale).to(device))
+        if prev is not None:
+            a0, b0 = next(prev)
+            delta_sq.append(lora_delta_sq(a, b, a0, b0, scale).to(device))
+        b_nonzero.append(b.detach().ne(0).any().to(device))
+        cores.append(lora_core(a, b))
+    layers = [layer_index(name) for name, *_ in entries]
+    norms = _by_layer(torch.stack(norm_sq), layers)
+    ranks = stable_ranks(cores).to(device)
+
+    def grad_norm(params):
+        grads = [p.grad for p in params if p.grad is not None]
+        return per_tensor_sq_norms(grads, device).sum().sqrt() if grads else None
+
+    return {"modules": len(entries), "adapter_norm": norms,
+            "adapter_delta": (_by_layer(torch.stack(delta_sq), layers) if prev is not None
+                              else {k: None for k in norms}),
+            "grad_norm_A": grad_norm([e[1] for e in entries]), "grad_norm_B": grad_norm([e[2] for e in entries]),
+            "b_zero_fraction": 1.0 - torch.stack(b_nonzero).float().mean(),
+            "stable_rank": {"min": ranks.min(), "median": ranks.quantile(0.5), "max": ranks.max()}}
+
+
+def relative_drift(current: List[torch.Tensor], start: List[torch.Tensor]) -> torch.Tensor:
+    """||x - x_0|| / ||x_0|| over all tensors taken together (e.g. DoRA magnitude vectors)."""
+    device = current[0].device
+    diff = sum(torch.linalg.vector_norm(c.detach().float() - s.to(c.device).float()).square().to(device)
+               for c, s in zip(current, start))
+    base = sum(torch.linalg.vector_norm(s.float()).square().to(device) for s in start)
+    return (diff / base).sqrt()
+
+
+# ---- training dynamics: per-layer statistics, breakdowns, output agreement, robust spikes -----------
+
+# Transformer-block components that param_change breaks the delta down by, matched as dotted name segments.
+COMPONENTS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
+              "gate_up_proj")
+
+
+def threshold_key(t: float) -> str:
+    """Record key of a threshold: 1e-06 -> "1e-06" (seed 002's spelling); 2.5e-4 -> "0.00025" (never rounded)."""
+    short = f"{t:.0e}"
+    return short if float(short) == t else repr(float(t))
+
+
+def layer_key(name: str) -> str:
+    """The layer of a parameter: its name up to the first numeric segment (a block index), else its module.
+
+    "model.layers.3.mlp.up_proj.weight" -> "model.layers.3", "backbone.0.weight" -> "backbone.0",
+    "head.weight" -> "head": a 70-block model gives ~70 rows, not one per tensor.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def component_of(name: str) -> Optional[str]:
+    """The transformer component (q_proj, ..., down_proj) a parameter belongs to, or None."""
+    return next((c for c in COMPONENTS if param_matches(name, c)), None)
+
+
+def _buckets(tensors: List[torch.Tensor]) -> Dict[Any, List[int]]:
+    out: Dict[Any, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():  # foreach max/inf-norm have no identity for empty tensors
+            out.setdefault((t.device, t.dtype), []).append(i)
+    return out
+
+
+def per_tensor_stats(tensors: List[torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    """Per-tensor sufficient statistics of gradients, as vectors [len(tensors)] on `device`.
+
+    sq = sum g^2 and max = max g via torch._foreach_norm / _foreach_max per (device, dtype); sum = sum g,
+    min = min g and the counts zeros = #(g == 0), nans = #isnan(g), infs = #isinf(g) take one reduction per
+    tensor (no foreach op computes them). Floats are float32, counts int64; no host sync. Empty tensors give
+    sq = sum = 0, min = +inf, max = -inf: the identities of the pooling in `pool_stats`.
+    """
+    n = len(tensors)
+    out = {"sq": torch.zeros(n, dtype=torch.float32, device=device),
+           "max": torch.full((n,), -math.inf, dtype=torch.float32, device=device)}
+    for (_, _), idx in _buckets(tensors).items():
+        group = [tensors[i] for i in idx]
+        where = torch.tensor(idx, device=device)
+        out["sq"][where] = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().to(device)
+        out["max"][where] = torch.stack(torch._foreach_max(group)).float().to(device)
+    zero_f = torch.zeros((), dtype=torch.float32, device=device)
+    zero_i = torch.zeros((), dtype=torch.int64, device=device)
+    per: Dict[str, List[torch.Tensor]] = {"sum": [], "min": [], "zeros": [], "nans": [], "infs": []}
+    for t in tensors:
+        if not t.numel():
+            for k, v in (("sum", zero_f), ("min", torch.full((), math.inf, device=device)), ("zeros", zero_i),
+                         ("nans", zero_i), ("infs", zero_i)):
+                per[k].append(v)
+            continue
+        per["sum"].append(t.sum(dtype=torch.float32).to(device))
+        per["min"].append(t.amin().float().to(device))
+        per["zeros"].append((t == 0).sum().to(device))
+        per["nans"].append(t.isnan().sum().to(device))
+        per["infs"].append(t.isinf().sum().to(device))
+    for k, values in per.items():
+        out[k] = torch.stack(values) if values else torch.zeros(0, device=device)
+    out["numel"] = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)
+    return out
+
+
+def pool_stats(stats: Dict[str, torch.Tensor], index: torch.Tensor, rows: int) -> Dict[str, torch.Tensor]:
+    """Pool per-tensor statistics into `rows` rows; tensor i goes to row index[i].
+
+    n = sum numel, mean = sum(sum) / n, std = sqrt(max(sum(sq) / n - mean^2, 0)) (population std, over every
+    element of the row), norm = sqrt(sum(sq)), min/max/counts as their reductions. Moments in float64
+    (float32 on mps, which has no float64).
+    """
+    device = stats["sq"].device
+    wide = torch.float32 if device.type == "mps" else torch.float64
+    index = index.to(device)
+
+    def total(v, dtype):
+        return torch.zeros(rows, dtype=dtype, device=device).index_add_(0, index, v.to(dtype))
+
+    n = total(stats["numel"], wide).clamp(min=1)
+    mean = total(stats["sum"], wide) / n
+    sq = total(stats["sq"], wide)
+    return {"grad_norm": sq.sqrt(), "grad_mean": mean, "grad_std": (sq / n - mean.square()).clamp(min=0).sqrt(),
+            "grad_min": torch.full((rows,), math.inf, device=device).scatter_reduce(
+                0, index, stats["min"], "amin"),
+            "grad_max": torch.full((rows,), -math.inf, device=device).scatter_reduce(
+                0, index, stats["max"], "amax"),
+            "zeros": total(stats["zeros"], torch.int64), "nans": total(stats["nans"], torch.int64),
+            "infs": total(stats["infs"], torch.int64)}
+
+
+def per_tensor_finite(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Bool [len(tensors)]: no NaN/Inf in the tensor (its inf-norm, max |t|, is finite). One foreach per bucket."""
+    out = torch.ones(len(tensors), dtype=torch.bool, device=device)
+    for (_, _), idx in _buckets(tensors).items():
+        norms = torch._foreach_norm([tensors[i] for i in idx], math.inf)
+        out[torch.tensor(idx, device=device)] = torch.stack(norms).isfinite().to(device)
+    return out
+
+
+def logit_agreement(reference: torch.Tensor, other: torch.Tensor,
+                    valid: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """How far `other` logits are from `reference` logits, as sums over positions (so batches add up).
+
+    Logits are [..., C]; a single binary logit x is read as the two classes [0, x]. With p = softmax(ref),
+    q = softmax(other), over the positions where `valid` ([...] bool) holds:
+      kl = sum_pos sum_c p_c (log p_c - log q_c)        (KL(reference || other), >= 0, 0 iff equal)
+      cosine = sum_pos cos(ref_pos, other_pos),  sq = sum_pos sum_c (ref - other)^2,
+      agree = sum_pos [argmax ref_pos == argmax other_pos],  positions,  elements = positions * C.
+    Divide kl, cosine, agree by positions and sq by elements for the means. No host sync.
+    """
+    ref, oth = reference.detach().float(), other.detach().float().to(reference.device)
+    if ref.dim() == 1 or ref.shape[-1] == 1:
+        ref, oth = ref.reshape(-1, 1), oth.reshape(-1, 1)
+        width = 1
+        ref, oth = torch.cat([torch.zeros_like(ref), ref], -1), torch.cat([torch.zeros_like(oth), oth], -1)
+    else:
+        width = ref.shape[-1]
+        ref, oth = ref.reshape(-1, width), oth.reshape(-1, width)
+    weight = (torch.ones(ref.shape[0], device=ref.device) if valid is None
+              else valid.reshape(-1).to(ref.device).float())
+    log_p, log_q = ref.log_softmax(-1), oth.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    cosine = torch.nn.functional.cosine_similarity(ref, oth, dim=-1)
+    positions = weight.sum()
+    return {"kl": (kl * weight).sum(), "cosine": (cosine * weight).sum(),
+            "sq": ((ref - oth).square().sum(-1) * weight).sum(),
+            "agree": ((ref.argmax(-1) == oth.argmax(-1)).float() * weight).sum(),
+            "positions": positions, "elements": positions * width}
+
+
+def robust_z(history: Any, value: float) -> float:
+    """Robust z-score of `value` against `history`: (value - median) / (1.4826 * MAD).
+
+    Taken on a log scale when every value is > 0 (loss and gradient norms vary multiplicatively, so the
+    noise late in training, when they are small, is not mistaken for spikes). The scale has a floor (1% on
+    the log scale, 1e-3 * |median| otherwise) so that a flat plateau, MAD 0, is not one spike away from
+    infinity. Plain floats: it runs on the host record, after the one transfer.
+    """
+    values = list(history)
+    if value > 0 and all(v > 0 for v in values):
+        values, value = [math.log(v) for v in values], math.log(value)
+        floor = 0.01
+    else:
+        floor = 0.0
+    values.sort()
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    deviations = sorted(abs(v - median) for v in values)
+    mad = deviations[mid] if len(values) % 2 else (deviations[mid - 1] + deviations[mid]) / 2
+    scale = max(1.4826 * mad, floor, 1e-3 * abs(median), 1e-12)
+    return (value - median) / scale
+
+
+# ---- distributed: which part of each tensor this rank holds ----------------------------------------
+
+
+def is_sharded(t: Any) -> bool:
+    """A DTensor (FSDP2's fully_shard, tensor parallel): each rank holds only its local part."""
+    return hasattr(t, "to_local") and hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` that this rank holds: DTensor.to_local() (a view, no communication), else `t`."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def replica_weights(tensors: List[torch.Tensor], world_size: int) -> torch.Tensor:
+    """1 / (ranks that hold the same data as this rank) per tensor, float32 [len(tensors)].
+
+    sum over ranks of w * (a sum over this rank's part) = that sum over the whole tensor. A DTensor's Shard
+    placements cut it into prod(mesh sizes of its Shard dims) disjoint parts, each held by
+    world_size / that many ranks (its Replicate dims: HSDP's replica groups); a plain tensor is whole on
+    every rank. Every rank must hold the same tensors (SPMD: DDP, FSDP2, HSDP, TP). A Partial placement is
+    an unreduced sum, whose norm is not a sum over ranks: it raises.
+    """
+    weights = []
+    for t in tensors:
+        parts = 1
+        if is_sharded(t):
+            for dim, placement in enumerate(t.placements):
+                if placement.is_partial():
+                    raise ValueError("a DTensor with a Partial placement holds unreduced values; read it "
+                                     "after its reduction")
+                if placement.is_shard():
+                    parts *= t.device_mesh.size(dim)
+        weights.append(parts / world_size)
+    return torch.tensor(weights, dtype=torch.float32)
+
+
+def rank_share(batch: Any, rank: int, world_size: int) -> tuple:
+    """(this rank's contiguous share of a batch's examples, True), as torch.tensor_split cuts them; a batch
+    with fewer examples than ranks is not split: (the whole batch, False). Every rank gets one forward per
+    batch either way, which a collective forward (FSDP2) needs."""
+    n = batch_size_of(batch)
+    if n < world_size or world_size == 1:
+        return batch, False
+    start = rank * (n // world_size) + min(rank, n % world_size)
+    stop = start + n // world_size + (1 if rank < n % world_size else 0)
+
+    def cut(x):
+        if isinstance(x, torch.Tensor):
+            return x[start:stop] if x.dim() and x.shape[0] == n else x
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(cut(v) for v in x)
+        return x
+    return cut(batch), True
+
+
 # =====================================================================================================
 # Weight reference on disk: the safetensors layout, written and read one tensor at a time, never pickled
 # =====================================================================================================
@@ -407,10 +896,12 @@ _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
 def write_tensor_file(path: str, named: List[tuple]) -> None:
-    """Write [(name, tensor)] as a safetensors file, streaming: peak extra memory is one tensor (GPU) or 0.
+    """Write [(name, tensor)] as a safetensors file, streaming from the tensors' own memory.
 
-    Written to a temp file and moved over `path` with os.replace, so a crash mid-write leaves the previous
-    file intact. No fsync: this is a cache that a crash may lose, and fsync per collection would dominate.
+    Atomic: the data goes to a side file that os.replace then moves over `path`, so a crash mid-write
+    leaves the previous file intact. The replaced file is kept (hard link) as `path.spare` and overwritten
+    in place next time: rewriting pages the page cache already holds is ~4x faster than filling a new file.
+    No fsync: this is a cache that a power cut may lose, and fsync per collection would dominate its cost.
     """
     header, offset = {}, 0
     for name, t in named:
@@ -420,24 +911,50 @@ def write_tensor_file(path: str, named: List[tuple]) -> None:
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
-    tmp = path + ".tmp"
+    size = 8 + len(blob) + offset
+    spare = path + ".spare"
+    target = spare if os.path.isfile(spare) and os.path.getsize(spare) == size else path + ".tmp"
     try:
-        with open(tmp, "wb") as f:
+        with open(target, "r+b" if target == spare else "wb") as f:
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
             for _, t in named:
-                t = t.detach()
-                t = (t if t.device.type == "cpu" else t.to("cpu")).contiguous()
-                if t.numel():
-                    f.write(memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(
-                        t.data_ptr())))
-        os.replace(tmp, path)
+                for chunk in _host_chunks(t.detach()):
+                    f.write(chunk)
+        if os.path.exists(path):
+            _replace_keeping_old(target, path, spare)
+        else:
+            os.replace(target, path)
     except BaseException:
         try:
-            os.remove(tmp)
+            os.remove(target)
         except OSError:
             pass
         raise
+
+
+def _replace_keeping_old(new: str, path: str, spare: str) -> None:
+    previous = path + ".prev"
+    if os.path.exists(previous):
+        os.remove(previous)
+    os.link(path, previous)  # keeps the old inode alive: `path` itself is never missing or half-written
+    os.replace(new, path)
+    os.replace(previous, spare)
+
+
+def _host_chunks(t: torch.Tensor):
+    """The bytes of a tensor as memoryviews: zero-copy for CPU tensors, CHUNK_BYTES at a time from a GPU."""
+    if t.numel() == 0:
+        return
+    if t.device.type == "cpu":
+        t = t.contiguous()
+        yield memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+        return
+    flat = t.reshape(-1)
+    step = max(CHUNK_BYTES // t.element_size(), 1)
+    for start in range(0, flat.numel(), step):
+        part = flat[start:start + step].to("cpu")
+        yield memoryview((ctypes.c_char * (part.numel() * part.element_size())).from_address(part.data_ptr()))
 
 
 def read_tensor_header(path: str) -> tuple:
@@ -484,15 +1001,141 @@ def reference_matches(path: str, named: List[tuple]) -> bool:
         for n, t in named)
 
 
+def stream_tensor_chunks(path: str, names: List[str]):
+    """Yield (tensor index, start element, chunk) over the named tensors of a safetensors file, in order.
+
+    Chunks of CHUNK_BYTES are read into one reused buffer (each chunk is valid until the next), so reading
+    a reference of any size adds CHUNK_BYTES to the process's memory, not the model's size.
+    """
+    header, base = read_tensor_header(path)
+    buf = bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about sharing a writable buffer
+        for i, name in enumerate(names):
+            meta = header[name]
+            dtype = _CODE_DTYPES[meta["dtype"]]
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            begin, end = meta["data_offsets"]
+            f.seek(base + begin)
+            per_chunk = CHUNK_BYTES // itemsize
+            for start in range(0, (end - begin) // itemsize, per_chunk):
+                n = min(per_chunk, (end - begin) // itemsize - start)
+                f.readinto(view[:n * itemsize])
+                yield i, start, torch.frombuffer(buf, dtype=dtype, count=n)
+
+
 def streamed_sq_distances(named: List[tuple], reference_path: str) -> torch.Tensor:
-    """||w - w_ref||^2 per tensor against a reference file, in float32, one tensor in memory at a time."""
-    out = []
+    """||w - w_ref||^2 per tensor against a reference file, in float32, one chunk in memory at a time."""
+    flats = [w.detach().reshape(-1) for _, w in named]
+    totals = [torch.zeros((), dtype=torch.float32, device=w.device) for w in flats]
+    scratch: Dict[Any, torch.Tensor] = {}
+    for i, start, ref in stream_tensor_chunks(reference_path, [n for n, _ in named]):
+        w = flats[i][start:start + ref.numel()]
+        out = scratch.get(w.device)
+        if out is None:
+            out = scratch[w.device] = torch.empty(CHUNK_BYTES // 2, dtype=torch.float32, device=w.device)
+        diff = torch.sub(w.float(), ref.to(w.device, non_blocking=True).float(), out=out[:ref.numel()])
+        totals[i] += torch.dot(diff, diff)
+    return torch.stack(totals) if totals else torch.zeros(0)
+
+
+def _negatives(signs: torch.Tensor) -> torch.Tensor:
+    # #(x == -1) for x in {-1, 0, 1}: (sum x^2 - sum x) / 2; float32 sums of +-1 are exact below 2^24.
+    if signs.numel() > 1 << 24:
+        return (signs < 0).sum()
+    return (torch.dot(signs, signs) - signs.sum()).div(2).round()
+
+
+def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = None,
+                            initial_path: Optional[str] = None, thresholds: List[float] = (),
+                            rel_thresholds: List[float] = (), detail: bool = False) -> Dict[str, torch.Tensor]:
+    """Every per-tensor quantity of the weight-change sections from ONE pass over the weights: the
+    reference and the initial weights are streamed side by side in CHUNK_BYTES pieces, each file once,
+    and each chunk of the weights is read once for all of them (into reused scratch buffers, so the extra
+    memory is a few chunks whatever the model's size).
+
+    With w the current weights, r the reference (previous collection) and w0 the initial weights, for each
+    tensor, as vectors [len(named)] on the first weight's device:
+      weight_sq = ||w||^2;  delta_sq = ||w - r||^2 (with reference_path);  drift_sq = ||w - w0||^2 (with
+      initial_path) -- float32, as in streamed_sq_distances;
+    with detail and reference_path, for d = w - r:
+      l1 = sum |d|, sum = sum d, max_abs = max |d| (float64; float32 on mps);
+      flips = #(sign w * sign r < 0), below[k] = #(|d| <= thresholds[k]),
+      below_rel[k] = #(|d| <= rel_thresholds[k] * |r|) (int64, [len(thresholds), tensors]).
+    Without either file, weight_sq alone comes from per_tensor_sq_norms.
+    """
+    if not named:
+        return {}
+    device = named[0][1].device
     names = [n for n, _ in named]
-    for (_, w), ref in zip(named, stream_tensor_file(reference_path, names)):
-        w = w.detach()
-        diff = w.float() - ref.to(w.device).float()
-        out.append(torch.linalg.vector_norm(diff).square())
-    return torch.stack(out) if out else torch.zeros(0)
+    if reference_path is None and initial_path is None:
+        return {"weight_sq": per_tensor_sq_norms([w.detach() for _, w in named], device)}
+    wide = torch.float32 if device.type == "mps" else torch.float64
+    detail = detail and reference_path is not None
+    flats = [w.detach().reshape(-1) for _, w in named]
+    scratch: Dict[Any, torch.Tensor] = {}
+
+    def buffer(slot, dev, n, dtype=torch.float32):
+        buf = scratch.get((slot, dev))
+        if buf is None or buf.numel() < n:
+            buf = scratch[(slot, dev)] = torch.empty(n, dtype=dtype, device=dev)
+        return buf[:n]
+
+    def as_float(x, slot, dev):  # float32 on dev, copied (and converted) only when it is not already
+        return x if x.dtype == torch.float32 and x.device == dev else buffer(slot, dev, x.numel()).copy_(x)
+
+    def zeros(dtype, dev, *shape):
+        return torch.zeros(shape, dtype=dtype, device=dev)
+
+    keys = ["weight_sq"] + (["delta_sq"] if reference_path else []) + (["drift_sq"] if initial_path else [])
+    acc = {k: [zeros(torch.float32, w.device) for w in flats] for k in keys}
+    if detail:
+        for k in ("l1", "sum", "max_abs"):
+            acc[k] = [zeros(wide, w.device) for w in flats]
+        acc["flips"] = [zeros(torch.int64, w.device) for w in flats]
+        acc["below"] = [zeros(torch.int64, w.device, len(thresholds)) for w in flats]
+        acc["below_rel"] = [zeros(torch.int64, w.device, len(rel_thresholds)) for w in flats]
+    refs = stream_tensor_chunks(reference_path, names) if reference_path else None
+    inits = stream_tensor_chunks(initial_path, names) if initial_path else None
+    # Both files hold the same names, shapes and dtypes (reference_matches), so their chunks line up.
+    pairs = zip(refs, inits) if refs is not None and inits is not None else (
+        (item, None) for item in refs) if refs is not None else ((None, item) for item in inits)
+    for ref_item, init_item in pairs:
+        i, start, chunk = ref_item if ref_item is not None else init_item
+        n = chunk.numel()
+        dev = flats[i].device
+        wc = as_float(flats[i][start:start + n], "w", dev)
+        acc["weight_sq"][i] += torch.dot(wc, wc)
+        if ref_item is not None:
+            rc = as_float(ref_item[2], "r", dev)
+            d = torch.sub(wc, rc, out=buffer("d", dev, n))
+            acc["delta_sq"][i] += torch.dot(d, d)
+            if detail:
+                # Counts come from s = sign(x) in {-1, 0, 1}: #(s < 0) = (s.s - sum s) / 2, exact in float32
+                # for a chunk, and cheaper than a bool mask and its sum. sign(|d| - t) < 0 iff |d| < t.
+                acc["sum"][i] += d.sum().to(wide)
+                a = torch.abs(d, out=buffer("a", dev, n))
+                acc["l1"][i] += a.sum().to(wide)
+                acc["max_abs"][i] = torch.maximum(acc["max_abs"][i], a.max().to(wide))
+                s = torch.sign(wc, out=buffer("d", dev, n)).mul_(torch.sign(rc, out=buffer("s", dev, n)))
+                acc["flips"][i] += _negatives(s).long()
+                if thresholds:  # |d| <= t  <=>  not (t - |d| < 0)
+                    acc["below"][i] += n - torch.stack([
+                        _negatives(torch.sub(t, a, out=buffer("d", dev, n)).sign_()) for t in thresholds]).long()
+                if rel_thresholds:
+                    ra = torch.abs(rc, out=buffer("s", dev, n))
+                    acc["below_rel"][i] += n - torch.stack([
+                        _negatives(torch.mul(ra, t, out=buffer("d", dev, n)).sub_(a).sign_())
+                        for t in rel_thresholds]).long()
+        if init_item is not None:
+            d0 = torch.sub(wc, as_float(init_item[2], "r0", dev), out=buffer("d", dev, n))
+            acc["drift_sq"][i] += torch.dot(d0, d0)
+    out = {k: torch.stack([v.to(device) for v in values]) for k, values in acc.items()}
+    for key in ("below", "below_rel"):
+        if key in out:
+            out[key] = out[key].T.contiguous()  # [thresholds, tensors]
+    return out
 
 
 # =====================================================================================================
@@ -513,6 +1156,17 @@ class _Layout:
     group_lrs: List[Callable[[], Any]]  # reads a group's current lr (0.0 for parameters no optimizer holds)
 
 
+@dataclass
+class _Pending:
+    """A section waiting for the cross-rank sum of its rows (see TrainingTelemetry._reduced)."""
+    section: str
+    shapes: List[tuple]
+    ops: List[str]  # "sum" or "max", per row
+    rows: Optional[List[torch.Tensor]]  # this rank's rows; None when local() raised here
+    error: Optional[BaseException]
+    finish: Callable[..., Any]
+
+
 class TrainingTelemetry:
     """Collects gradient norms, weight deltas, learning rates, holdout predictions and batch balance.
 
@@ -520,7 +1174,8 @@ class TrainingTelemetry:
     recorded in the record's `errors` and warned about once; training never sees them unless `strict`.
     """
 
-    def __init__(self, config: Optional[TelemetryConfig] = None, **overrides: Any):
+    def __init__(self, config: Optional[TelemetryConfig] = None, on_alert: Optional[Callable] = None,
+                 **overrides: Any):
         if config is None or overrides:
             base = dataclasses.asdict(config) if config is not None else {}
             config = TelemetryConfig.from_dict({**base, **overrides})
@@ -536,6 +1191,44 @@ class TrainingTelemetry:
         self._layout: Optional[_Layout] = None
         self._records = None
         self._silent_warn_step = 10 * self._every  # warn if nothing was collected by then
+        # Training dynamics. on_alert(alert) sees each new alert (a record's `alerts` entry plus "step").
+        self.on_alert: Optional[Callable[[Dict[str, Any]], Any]] = on_alert
+        self._metrics: Dict[str, Callable] = {}  # add_metric: name -> fn(model, optimizer, context)
+        self._changes: Optional[Dict[str, torch.Tensor]] = None  # this collection's weight pass, per tensor
+        self._sparse_files: Optional[tuple] = None  # (previous, current) references for sparse quality
+        self._rows: Dict[str, tuple] = {}  # _row_index cache
+        self._initial_pending = config.track_update_ratio  # W_0 is kept at the first call
+        self._alert_history = {k: collections.deque(maxlen=config.alert_window) for k in ("loss", "grad")}
+        self._alert_active: set = set()
+        self._frozen_streak: Dict[tuple, int] = {}
+        self._collections = 0
+        self._pending_alerts: List[Dict[str, Any]] = []
+        self._system_last: Optional[tuple] = None  # (perf_counter, step) at the previous collection
+        self._last_ms = 0.0  # the previous collection's telemetry_ms
+        self._no_gpu_util = False
+        self._lora_found: Optional[tuple] = None  # (layout key, LoRA modules found in the model)
+        self._dora_start: Dict[str, torch.Tensor] = {}  # DoRA magnitude vectors at their first collection
+        self._holding = False  # the HF callback holds records back until the Trainer logs its grad_norm
+        self._held: List[Dict[str, Any]] = []
+        self._hf_callback = None
+        # Distributed state, refreshed at each collection (see _begin_collection).
+        self._rank, self._world = _rank_and_world()
+        self._parallelism = "none"
+        self._collective = False  # every rank takes part in the collection (sharded parameters)
+        self._replica_w: Optional[torch.Tensor] = None
+        self._dist_key: Any = None
+        self._agreed: Any = None
+        self._strict_error: Optional[BaseException] = None  # strict: raised once every rank is past the collectives
+        self._no_writes = False  # a rank that cannot write keeps taking part in collectives
+        self._captured: Optional[tuple] = None  # (layout key, step, gradient rows) read before optimizer.step()
+        self._pendings: List[_Pending] = []
+        self._grad_stats: Optional[Dict[str, torch.Tensor]] = None  # sharded layer_stats (see _gradient_norms)
+        self._scaler: Any = None
+        self._scale_seen: Any = None
+        self._skipped: Any = 0
+        self._mirror_off: set = set()
+        self._wandb_run: Any = None
+        self._tb: Any = None
         if not self._enabled:
             return
         if config.output_dir is None:
@@ -544,6 +1237,7 @@ class TrainingTelemetry:
         os.makedirs(self.output_dir, exist_ok=True)
         self.metrics_file = os.path.join(self.output_dir, RECORDS_FILE)
         self.checkpoint_file = os.path.join(self.output_dir, REFERENCE_FILE)
+        self.initial_file = os.path.join(self.output_dir, INITIAL_FILE)
         self.run_file = os.path.join(self.output_dir, RUN_FILE)
         self.step = self._last_logged_step()
         self._run_info = self._load_run_info()
@@ -581,29 +1275,91 @@ class TrainingTelemetry:
     def on_batch_end(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                      batch_idx: int, epoch: int, device: Any = None, batch: Any = None, loss: Any = None,
                      **scalars: Any) -> Optional[Dict[str, Any]]:
-        """The hook: call after optimizer.step(), before zero_grad(). Returns the record when it collects."""
+        """The hook: call after optimizer.step(), before zero_grad(). Returns the record when it collects.
+
+        Under torch.distributed call it on every rank, with the same batch_idx: rank 0 alone writes.
+        """
         self.step += 1
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module  # the same parameters, under the names a single process would record
+        if self._scaler is not None:
+            self._track_scale()
+        if self._initial_pending and self._enabled:
+            self._capture_initial(model, optimizer)
         if not self._enabled or batch_idx % self._every:
             if self.step == self._silent_warn_step:
                 self._warn_silent()
             return None
         try:
-            return self._collect(model, optimizer, batch_idx, epoch, device, batch, loss, scalars)
+            record = self._collect(model, optimizer, batch_idx, epoch, device, batch, loss, scalars)
         except Exception as exc:  # the training loop must never see telemetry fail
+            self._pending_alerts = []
             if self.config.strict:
                 raise
             self._warn_once("collect", f"telemetry: collection failed and was skipped: {exc!r}")
             return None
+        self._dispatch_alerts(record)
+        return record
 
     def _warn_silent(self) -> None:
         self._warn_once("silent", f"telemetry: nothing collected in {self.step} calls: batch_idx was never a "
                                   f"multiple of collect_every_n={self._every}. Epochs shorter than that restart "
                                   "batch_idx before it gets there; lower collect_every_n.")
 
+    def set_grad_scaler(self, scaler: Any) -> None:
+        """Record a torch.amp.GradScaler's scale and skipped steps (`grad_scaler`), and keep gradient norms
+        unscaled. Set once; every on_batch_end call then compares the scale with the one before (a skipped
+        step backs it off), with tensor ops only."""
+        self._scaler = scaler
+        current = scaler._get_scale_async() if scaler is not None else None  # None before the first scale()
+        self._scale_seen = current.clone() if current is not None else getattr(scaler, "_init_scale", None)
+        self._skipped = 0
+
+    def capture_gradients(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                          batch_idx: int) -> bool:
+        """Read the gradients now, before optimizer.step() and clipping, for the record that on_batch_end
+        makes for this batch_idx. For code that runs before the step: Lightning's on_before_optimizer_step,
+        or between DeepSpeed's engine.backward() and engine.step(). Still-scaled gradients (no
+        scaler.unscale_ yet) are divided by the scale. True when it read them."""
+        if not self._enabled or batch_idx % self._every or not self.config.track_gradients:
+            return False
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        try:
+            layout = self._layout_for(model, optimizer)
+            # For the next on_batch_end call only (it counts self.step up by one).
+            self._captured = (layout.key, self.step + 1, self._gradient_rows(layout, optimizer, pre_step=True))
+            return True
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            self._warn_once("capture", f"telemetry: reading gradients before the step failed ({exc!r}); "
+                                       "on_batch_end reads them after it")
+            return False
+
+    def lightning_callback(self) -> Any:
+        """A lightning.pytorch Callback that feeds this telemetry: `Trainer(callbacks=[it])` (see
+        lightning_callback_class for the hooks it uses)."""
+        return lightning_callback_class()(self)
+
+    def hf_callback(self) -> Any:
+        """A transformers.TrainerCallback that feeds this telemetry: `Trainer(..., callbacks=[it])`.
+
+        TRL's SFTTrainer and unsloth run transformers.Trainer's loop, so it serves them too. No other hook
+        call is needed; see hf_callback_class for what it reads, and when.
+        """
+        if self._hf_callback is None:
+            self._hf_callback = hf_callback_class()(self)
+        return self._hf_callback
+
     def close(self) -> None:
+        self._release_held()
         if self._records is not None:
             self._records.close()
             self._records = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
     def __enter__(self) -> "TrainingTelemetry":
         return self
@@ -626,20 +1382,35 @@ class TrainingTelemetry:
             record[key] = value.detach() if isinstance(value, torch.Tensor) else value
         errors: Dict[str, str] = {}
         layout = self._run_section("layout", errors, self._layout_for, model, optimizer)
+        if not self._refresh_dist(model, layout) or (self._collective and not self._ranks_agree(layout)):
+            return None  # DDP: rank 0 collects alone; or the ranks disagree (telemetry is off)
         if layout is not None:
             if cfg.track_gradients:
-                self._add(record, errors, "gradient_norm", self._gradient_norms, layout)
+                self._add(record, errors, "gradient_norm", self._gradient_norms, layout, optimizer)
+            if cfg.track_lora:  # before weight_delta, which overwrites the reference it reads
+                self._add(record, errors, "lora", self._lora, model, layout)
             if cfg.track_weight_delta:
                 self._add(record, errors, "weight_delta", self._weight_delta, layout)
+            elif self._keeps_reference():  # the same pass feeds update_ratio/drift/param_change: no key
+                self._run_section("weight_delta", errors, self._weight_delta, layout)
             if cfg.track_learning_rates and optimizer is not None:
                 self._add(record, errors, "learning_rates", self._learning_rates, layout)
+            self._finish_pending(record, errors)  # sharded: the collection's one all_reduce
+            self._add_dynamics(record, errors, layout, model, device)
+        if self._scaler is not None and self._scaler.is_enabled():
+            self._add(record, errors, "grad_scaler", self._grad_scaler_section)
         if cfg.track_holdout_logits and self._holdout:
             self._add(record, errors, "holdout_logits", self._evaluate_holdout, model, device)
         if cfg.track_batch_stats and batch is not None:
             self._add(record, errors, "batch_stats", self._batch_stats, batch)
+        self._add_extras(record, errors, model, optimizer, batch_idx, epoch, batch, loss, started)
+        if self._strict_error is not None:  # strict and sharded: raised once every rank is past the collectives
+            error, self._strict_error = self._strict_error, None
+            raise error
         record = to_host(record)
         self._check_gradients(record)
-        record["telemetry_ms"] = (time.perf_counter() - started) * 1e3
+        self._after_host(record, layout, errors)
+        record["telemetry_ms"] = self._last_ms = (time.perf_counter() - started) * 1e3
         self._silent_warn_step = -1
         record, nonfinite = replace_nonfinite(record)
         if nonfinite:
@@ -658,38 +1429,351 @@ class TrainingTelemetry:
         try:
             return fn(*args)
         except Exception as exc:
-            if self.config.strict:
+            if self.config.strict and not self._collective:
                 raise
+            if self.config.strict and self._strict_error is None:
+                self._strict_error = exc  # raised by _collect once every rank is past the collectives
             errors[section] = f"{type(exc).__name__}: {exc}"
             self._warn_once(f"error:{section}", f"telemetry: {section} failed ({errors[section]}); it is "
                                                 "recorded under 'errors' and training goes on")
             return None
 
+    # ---- distributed: which ranks collect, and one all_reduce per collection ------------------------
+
+    def _refresh_dist(self, model: torch.nn.Module, layout: Optional[_Layout]) -> bool:
+        """Find the process group and how the parameters are held; True when this rank collects.
+
+        One process or DDP: every rank holds the same gradients and weights, so rank 0 alone collects and
+        telemetry starts no collective at all. FSDP2 (DTensor parameters) and DeepSpeed: every rank
+        collects its own part; the parts meet in one all_reduce (_finish_pending), and each rank keeps the
+        weight reference of its own part (last_checkpoint.rank{r}.safetensors). Only rank 0 writes.
+        """
+        self._rank, self._world = _rank_and_world()
+        self._pendings, self._strict_error = [], None
+        params = layout.params if layout is not None else [p for p in model.parameters() if p.requires_grad]
+        key = (layout.key if layout is not None else id(model), self._rank, self._world)
+        if key != self._dist_key:
+            kind = _parallelism(model, params, self._world)
+            self._collective = kind in ("fsdp2", "deepspeed")
+            self._replica_w = replica_weights(params, self._world) if self._collective else None
+            self._dist_key, self._parallelism = key, kind
+            if self._enabled:
+                suffix = f".rank{self._rank}.safetensors" if self._collective else ".safetensors"
+                self.checkpoint_file = os.path.join(self.output_dir, REFERENCE_FILE.replace(".safetensors", suffix))
+                self.initial_file = os.path.join(self.output_dir, INITIAL_FILE.replace(".safetensors", suffix))
+                info = {"world_size": self._world, "rank": self._rank, "parallelism": kind}
+                if any(self._run_info.get(k) != v for k, v in info.items()):
+                    self._run_info.update(info)
+                    self._write_run_info()
+        if self._parallelism == "fsdp1":
+            self._warn_once("fsdp1", "telemetry: FSDP1 (FullyShardedDataParallel) is not supported: its flat "
+                                     "shards hide the parameters. Use FSDP2's fully_shard; nothing is recorded")
+            return False
+        return self._collective or self._rank == 0
+
+    def _ranks_agree(self, layout: Optional[_Layout]) -> bool:
+        """Once per layout and holdout: check that every rank will start the same collectives.
+
+        A rank with another config, parameter count or holdout (set_holdout_data on rank 0 only) would wait
+        forever in a collective the others never start; instead every rank turns telemetry off, together.
+        """
+        config = {k: v for k, v in dataclasses.asdict(self.config).items() if k != "output_dir"}
+        probe = json.dumps([config, len(layout.params) if layout is not None else None, self._parallelism,
+                            [batch_size_of(b) for b in self._holdout]], sort_keys=True, default=str)
+        if self._agreed == (self._dist_key, probe):
+            return True
+        import torch.distributed as dist
+
+        seen: List[Any] = [None] * self._world
+        dist.all_gather_object(seen, probe)
+        if len(set(seen)) == 1:
+            self._agreed = (self._dist_key, probe)
+            return True
+        self._enabled = False
+        message = ("telemetry: the ranks differ in config, trainable parameters or holdout data (call "
+                   "set_holdout_data on every rank); telemetry is off on every rank")
+        if self.config.strict:
+            raise RuntimeError(message)
+        self._warn_once("ranks-differ", message)
+        return False
+
+    def _reduced(self, section: str, shapes: List[tuple], local: Callable[[], tuple],
+                 finish: Callable[..., Any], ops: Optional[List[str]] = None) -> Any:
+        """finish(*rows), where rows = local() summed over the ranks when parameters are sharded.
+
+        One process or DDP: finish(*local()) at once. Sharded (FSDP2, DeepSpeed): local() returns this rank's
+        rows and the section becomes a _Pending that _finish_pending resolves after ONE all_reduce over every
+        section's rows (a second one only for rows whose op is "max"). A row whose last dim is the number of
+        trainable tensors holds per-tensor sums: it is weighted by replica_weights, so a replicated
+        placement counts once. Other rows are flags (> 0 on some rank) or maxima. `shapes` are fixed in
+        advance: a rank whose local() raises still sends zeros of those shapes, so no rank waits on a
+        collective another skipped, and the section fails on every rank.
+        """
+        if not self._collective:
+            return finish(*local())
+        try:
+            rows, error = [torch.as_tensor(r) for r in local()], None
+            if [tuple(r.shape) for r in rows] != [tuple(s) for s in shapes]:
+                raise ValueError(f"rows of shapes {[tuple(r.shape) for r in rows]}, expected {shapes}")
+        except Exception as exc:  # reported after the collective, on every rank
+            rows, error = None, exc
+        pending = _Pending(section=section, shapes=[tuple(s) for s in shapes], ops=ops or ["sum"] * len(shapes),
+                           rows=rows, error=error, finish=finish)
+        self._pendings.append(pending)
+        return pending
+
+    def _finish_pending(self, record: Dict[str, Any], errors: Dict[str, str]) -> None:
+        """Resolve every _Pending of this collection: sum (or max) all their rows over the ranks in one
+        float64 all_reduce per op, copy the result to the host once, and finish each section there (into
+        the record key that holds the _Pending, if any)."""
+        pending, self._pendings = self._pendings, []
+        if not pending:
+            return
+        import torch.distributed as dist
+
+        device = _reduce_device()
+        weights = self._replica_w.to(device, torch.float64)
+        flat: Dict[str, List[torch.Tensor]] = {"sum": [], "max": []}
+        for p in pending:
+            for k, shape in enumerate(p.shapes):
+                row = (p.rows[k] if p.rows is not None else torch.zeros(shape)).to(device, torch.float64)
+                if p.ops[k] == "sum" and row.dim() and row.shape[-1] == len(weights):
+                    row = row * weights
+                flat[p.ops[k]].append(row.reshape(-1))
+            flat["sum"].append(torch.tensor([0.0 if p.error is None else 1.0], dtype=torch.float64, device=device))
+        summed = {}
+        for op, parts in flat.items():
+            if parts:
+                vector = torch.cat(parts)
+                dist.all_reduce(vector, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+                summed[op] = vector.cpu()
+        at = {"sum": 0, "max": 0}
+        for p in pending:
+            rows = []
+            for k, shape in enumerate(p.shapes):
+                n, op = math.prod(shape), p.ops[k]
+                row = summed[op][at[op]:at[op] + n].reshape(shape)
+                at[op] += n
+                dtype = p.rows[k].dtype if p.rows is not None else torch.float32
+                rows.append(row.round().to(dtype) if not dtype.is_floating_point else row.to(dtype))
+            failed = int(summed["sum"][at["sum"]])
+            at["sum"] += 1
+            key = next((k for k, v in record.items() if v is p), None)
+            if key is not None:
+                del record[key]
+            fn, args = (_raise, [p.error]) if p.error is not None else (
+                (_raise, [RuntimeError(f"failed on {failed} other rank(s)")]) if failed else (p.finish, rows))
+            value = self._run_section(p.section, errors, fn, *args)
+            if key is not None and value is not None:
+                record[key] = value
+
     # ---- sections ----------------------------------------------------------------------------------
 
-    def _gradient_norms(self, layout: _Layout) -> Dict[str, Any]:
-        grads = [p.grad for p in layout.params]
-        present = [g for g in grads if g is not None]
-        if not present:
-            return {"overall": None, **{g: None for g in layout.group_names}}
-        device = present[0].device
-        sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    def _gradient_norms(self, layout: _Layout, optimizer: Any = None) -> Any:
+        captured, self._captured = self._captured, None
+        # Read before this step by capture_gradients, for this very call.
+        rows = captured[2] if captured is not None and captured[:2] == (layout.key, self.step) else None
+
+        # Sharded layer_stats ride on this section's rows: one pass over the gradients, one all_reduce.
+        stats = self._collective and self.config.track_layer_stats
+        self._grad_stats = None
+
+        def local():
+            grad_rows = rows if rows is not None else self._gradient_rows(layout, optimizer, pre_step=False)
+            return (*grad_rows, *self._local_grad_stats(layout)) if stats else grad_rows
+
+        def finish(sq, has, *extra):
+            if stats:
+                self._grad_stats = {"sq": sq, "has": has, **dict(zip(_STAT_ROWS, extra))}
+            if not bool(has.any()):
+                return {"overall": None, **{g: None for g in layout.group_names}}
+            return self._by_group(layout, sq, has=has > 0)
+        n = len(layout.params)
+        extra = len(_STAT_ROWS) if stats else 0
+        ops = ["sum", "sum"] + [("max" if k in ("max", "negmin") else "sum") for k in _STAT_ROWS][:extra]
+        return self._reduced("gradient_norm", [(n,)] * (2 + extra), local, finish, ops)
+
+    def _local_grad_stats(self, layout: _Layout) -> List[torch.Tensor]:
+        """The _STAT_ROWS of this rank's part of each gradient and weight (per_tensor_stats; min as -max)."""
+        params = [local_part(p) for p in layout.params]
+        device = params[0].device
+        idx = [i for i, p in enumerate(layout.params) if p.grad is not None]
+        grads = [local_part(layout.params[i].grad) for i in idx]
+        got = per_tensor_stats([g.to_dense() if g.is_sparse else g for g in grads], device)
+        got["negmin"] = -got.pop("min")
+        out = []
+        for key in _STAT_ROWS[:-1]:
+            fill = -math.inf if key in ("max", "negmin") else 0
+            row = torch.full((len(params),), fill, dtype=got[key].dtype, device=device)
+            if idx:
+                row[torch.tensor(idx, device=device)] = got[key]
+            out.append(row)
+        out.append(per_tensor_sq_norms([p.detach() for p in params], device))  # weight_sq
+        return out
+
+    def _layer_stats_sharded(self, layout: _Layout) -> Dict[str, Any]:
+        """_layer_stats from the gradient section's all-reduced per-tensor statistics (_local_grad_stats)."""
+        got = self._grad_stats
+        if got is None:
+            raise RuntimeError("with sharded parameters, layer_stats comes with track_gradients; it was off or failed")
+        rows, index, _ = self._row_index(layout, self.config.layer_stats_by)
+        index = index.cpu()
+        present = [i for i, h in enumerate(got["has"].tolist()) if h > 0]
+        where = torch.tensor(present, dtype=torch.long)
+        stats = {k: got[k][where] for k in ("sq", "sum", "zeros", "nans", "infs", "numel", "max")}
+        stats["min"] = -got["negmin"][where]
+        pooled = pool_stats(stats, index[where], len(rows) + 1) if present else None
+        with_grad = {int(index[i]) for i in present}
+        weight_norm = torch.zeros(len(rows) + 1, dtype=torch.float64).index_add_(
+            0, index, got["weight_sq"].double()).sqrt()
+        out = {}
+        for r, row in enumerate(rows):
+            entry = {k: (pooled[k][r] if pooled is not None and r in with_grad else None) for k in _GRAD_STATS}
+            entry["weight_norm"] = weight_norm[r]
+            out[row] = entry
+        return out
+
+    def _gradient_rows(self, layout: _Layout, optimizer: Any, pre_step: bool) -> tuple:
+        """(||g||^2 of this rank's part of each gradient, unscaled, on its device; 1.0 where a gradient
+        exists, on the host). DeepSpeed's partitioned gradients come through full_gradient."""
+        grads = [full_gradient(p) for p in layout.params]
         idx = [i for i, g in enumerate(grads) if g is not None]
-        sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms(
-            [g.to_dense() if g.is_sparse else g for g in present], device)
-        return self._by_group(layout, sq, has=[g is not None for g in grads])
+        has = torch.zeros(len(grads))
+        has[idx] = 1.0
+        for i in idx:
+            if is_sharded(grads[i]) and any(pl.is_partial() for pl in grads[i].placements):
+                raise ValueError(f"the gradient of {layout.names[i]} is Partial (not reduced yet)")
+        present = [local_part(grads[i]) for i in idx]
+        device = present[0].device if present else torch.device("cpu")
+        sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
+        if present:
+            sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms(
+                [g.to_dense() if g.is_sparse else g for g in present], device)
+        scale = self._grad_scale(optimizer, pre_step)
+        if scale is not None:
+            sq = sq / scale.to(device, torch.float32).square()
+        return sq, has
+
+    def _grad_scale(self, optimizer: Any, pre_step: bool) -> Optional[torch.Tensor]:
+        """The factor the gradients are still multiplied by (the GradScaler's scale), or None.
+
+        torch.amp.GradScaler keeps a stage per optimizer until update(): UNSCALED after scaler.unscale_,
+        STEPPED after scaler.step(), which unscales in place first (fused optimizers write the unscaled
+        gradients back too): both read as unscaled. READY, or no entry, means neither ran yet: scaled. But
+        update() clears the entries, so a missing entry in on_batch_end (after the step, by contract) reads
+        as unscaled, and in capture_gradients (before the step, by contract) as scaled.
+        """
+        scaler = self._scaler
+        if scaler is None or not scaler.is_enabled() or optimizer is None:
+            return None
+        state = scaler._per_optimizer_states.get(id(optimizer))  # .get: a defaultdict would add an entry
+        stage = getattr(state["stage"], "name", None) if state else None
+        if stage in ("UNSCALED", "STEPPED") or (stage is None and not pre_step):
+            return None
+        return scaler._get_scale_async()  # None before the first scaler.scale(): nothing is scaled
+
+    def _track_scale(self) -> None:
+        # update() backs the scale off exactly when it skipped the step (inf/NaN gradients): count the
+        # drops between calls, on the device, so no call waits for the GPU.
+        scale = self._scaler._get_scale_async()
+        if scale is None:
+            return
+        if self._scale_seen is not None:
+            self._skipped = self._skipped + (scale < self._scale_seen).long()
+        self._scale_seen = scale.clone()
+
+    def _grad_scaler_section(self) -> Dict[str, Any]:
+        scale = self._scaler._get_scale_async()
+        return {"scale": scale if scale is not None else self._scaler.get_scale(), "skipped_steps": self._skipped}
 
     def _weight_delta(self, layout: _Layout) -> Dict[str, Any]:
-        named = list(zip(layout.names, layout.params))
+        """The delta; the same streamed pass (each reference read once) leaves in self._changes what
+        update_ratio, drift, weight_norm, param_change and sparse_quality need, then the reference is rewritten."""
+        cfg = self.config
+        named = [(n, local_part(p)) for n, p in zip(layout.names, layout.params)]  # this rank's part
+        self._changes, self._sparse_files = None, None
+        if self._collective:
+            return self._weight_delta_sharded(layout, named)
         delta: Dict[str, Any] = {"overall": None, **{g: None for g in layout.group_names}}
+        reference = None
         if os.path.exists(self.checkpoint_file):
             if reference_matches(self.checkpoint_file, named):
-                delta = self._by_group(layout, streamed_sq_distances(named, self.checkpoint_file))
+                reference = self.checkpoint_file
             else:
                 self._warn_once("reference", "telemetry: the weight reference on disk does not match the "
                                              "model's trainable parameters; the delta restarts from here")
-        self._write_file(write_tensor_file, self.checkpoint_file, named)
+        initial = self._initial_reference(named) if cfg.track_update_ratio else None
+        detail = cfg.track_param_change or cfg.track_sparse_quality
+        thresholds = sorted(set(cfg.param_change_thresholds) | set(cfg.sparse_quality_thresholds)) if detail else []
+        changes = streamed_weight_changes(named, reference, initial, thresholds,
+                                          cfg.param_change_rel_thresholds if cfg.track_param_change else [], detail)
+        changes["thresholds"] = thresholds
+        if reference is not None:
+            delta = self._by_group(layout, changes["delta_sq"])
+        self._changes = changes
+        if not (reference is not None and cfg.track_sparse_quality and self._holdout):
+            self._write_file(write_tensor_file, self.checkpoint_file, named)
+            return delta
+        # Sparse quality rebuilds weights from the previous and the current reference: keep both a while.
+        previous = self.checkpoint_file + ".previous"
+        os.replace(self.checkpoint_file, previous)
+        try:
+            self._write_file(write_tensor_file, self.checkpoint_file, named)
+        finally:
+            if self._enabled and reference_matches(self.checkpoint_file, named):
+                self._sparse_files = (previous, self.checkpoint_file)
+            else:
+                os.remove(previous)
         return delta
+
+    def _weight_delta_sharded(self, layout: _Layout, named: List[tuple]) -> Any:
+        """_weight_delta when each rank holds a part: each streams its part against its own reference file,
+        and the per-tensor sums (max for max_abs) meet in the collection's all_reduce. Every row exists on
+        every rank (zeros where this rank has no file); two flags say whether some rank had no reference
+        or no initial weights, which nulls those quantities everywhere."""
+        cfg = self.config
+        if any(hasattr(p, "ds_id") for p in layout.params):  # ZeRO-3 leaves empty placeholders in the model
+            raise NotImplementedError("weight_delta does not support DeepSpeed ZeRO-3 parameters")
+        detail = cfg.track_param_change
+        thresholds = sorted(set(cfg.param_change_thresholds)) if detail else []
+        rel = cfg.param_change_rel_thresholds if detail else []
+        n = len(named)
+        shapes = {"weight_sq": (n,), "delta_sq": (n,)}
+        if cfg.track_update_ratio:
+            shapes["drift_sq"] = (n,)
+        if detail:
+            shapes.update(l1=(n,), sum=(n,), max_abs=(n,), flips=(n,), below=(len(thresholds), n),
+                          below_rel=(len(rel), n))
+        keys = list(shapes)
+
+        def local():
+            reference = None
+            if os.path.exists(self.checkpoint_file) and not self._no_writes:
+                if reference_matches(self.checkpoint_file, named):
+                    reference = self.checkpoint_file
+                else:
+                    self._warn_once("reference", "telemetry: this rank's weight reference does not match its "
+                                                 "part of the parameters; the delta restarts from here")
+            initial = self._initial_reference(named) if cfg.track_update_ratio else None
+            changes = streamed_weight_changes(named, reference, initial, thresholds, rel, detail)
+            self._write_file(write_tensor_file, self.checkpoint_file, named)
+            rows = [changes[k] if k in changes else torch.zeros(shapes[k]) for k in keys]
+            return (*rows, torch.tensor([float(reference is None)]), torch.tensor([float(initial is None)]))
+
+        def finish(*rows):
+            changes = dict(zip(keys, rows))
+            if rows[-2].item() > 0:  # some rank had no reference: nothing "since the previous collection"
+                for k in ("delta_sq", "l1", "sum", "max_abs", "flips", "below", "below_rel"):
+                    changes.pop(k, None)
+            if rows[-1].item() > 0:
+                changes.pop("drift_sq", None)
+            changes["thresholds"] = thresholds
+            self._changes = changes
+            if "delta_sq" not in changes:
+                return {"overall": None, **{g: None for g in layout.group_names}}
+            return self._by_group(layout, changes["delta_sq"])
+        ops = ["max" if k == "max_abs" else "sum" for k in keys] + ["sum", "sum"]
+        return self._reduced("weight_delta", [shapes[k] for k in keys] + [(1,), (1,)], local, finish, ops)
 
     def _learning_rates(self, layout: _Layout) -> Dict[str, Any]:
         lrs = {name: read() for name, read in zip(layout.lr_names, layout.group_lrs)}
@@ -701,36 +1785,82 @@ class TrainingTelemetry:
     def _by_group(self, layout: _Layout, per_tensor_sq: torch.Tensor, has: Optional[List[bool]] = None):
         norms = group_norms(per_tensor_sq, layout.membership)
         out: Dict[str, Any] = {"overall": norms[:layout.first_partition].square().sum().sqrt()}
-        counts = layout.membership.cpu() @ torch.tensor(has, dtype=torch.float32) if has is not None else None
+        counts = layout.membership.cpu() @ torch.as_tensor(has, dtype=torch.float32) if has is not None else None
         for i, name in enumerate(layout.group_names):
             out[name] = None if counts is not None and counts[i] == 0 else norms[i]
         return out
 
     def _evaluate_holdout(self, model: torch.nn.Module, device: Any) -> Dict[str, Any]:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module  # DDP's forward can broadcast buffers: a collective rank 0 must not start alone
         device = torch.device(device) if device is not None else _model_device(model)
         batches = self._holdout_on.get(str(device))
         if batches is None:
             batches = self._holdout_on[str(device)] = [move_to(b, device) for b in self._holdout]
+        # Sharded forwards are collective: every rank runs one per batch, on its share of the examples.
+        share = self._collective
         modes = [(m, m.training) for m in model.modules()]
         rng = _rng_state()
-        all_logits, all_labels = [], []
+        all_logits, all_labels, lm_parts, split, failed = [], [], [], [], None
         try:
             model.eval()
             with torch.no_grad():
                 for batch in batches:
-                    outputs, labels = self._holdout_forward_one(model, batch)
-                    all_logits.append(output_logits(outputs))
-                    all_labels.append(labels)
+                    if share:
+                        batch, cut = rank_share(batch, self._rank, self._world)
+                        split.append(cut)
+                    try:
+                        outputs, labels = self._holdout_forward_one(model, batch)
+                        logits = output_logits(outputs)
+                        if logits.dim() == 3:  # reduce each batch at once: [batch, seq, vocab] is large
+                            lm_parts.append(language_model_holdout(logits, labels, self.config.holdout_token_ids))
+                        else:
+                            all_logits.append(logits)
+                            all_labels.append(labels)
+                    except Exception as exc:
+                        if not share:
+                            raise
+                        # Go on: the other ranks run the next batches' collective forwards, then the gather.
+                        failed = failed or exc
         finally:
             for module, mode in modes:
                 module.training = mode
             _set_rng_state(rng)
-        if all_logits[0].dim() == 3:
-            width = max(t.shape[1] for t in all_logits)
-            logits = torch.cat([_pad_seq(t, width, 0.0) for t in all_logits])
-            labels = torch.cat([_pad_seq(t, width, IGNORE_INDEX) for t in all_labels])
-            return language_model_holdout(logits, labels)
+        if share:
+            return self._gather_holdout(all_logits, all_labels, lm_parts, split, failed)
+        if lm_parts:
+            return merge_lm_holdout(lm_parts)
         return classification_holdout(torch.cat(all_logits), torch.cat([t.reshape(-1) for t in all_labels]))
+
+    def _gather_holdout(self, logits, labels, lm_parts, split, failed) -> Optional[Dict[str, Any]]:
+        """Every rank's holdout results to rank 0 (one gather_object), reassembled in holdout order: a split
+        batch is every rank's share in rank order, an unsplit one is rank 0's. A rank that failed still
+        takes part, and the section then fails on rank 0 too."""
+        import torch.distributed as dist
+
+        cpu = torch.device("cpu")
+        mine = {"error": None if failed is None else f"{type(failed).__name__}: {failed}",
+                "logits": move_to(logits, cpu), "labels": move_to(labels, cpu), "lm": move_to(lm_parts, cpu)}
+        every = [None] * self._world if self._rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        if failed is not None:
+            raise failed
+        if self._rank != 0:
+            return None
+        bad = [(r, m["error"]) for r, m in enumerate(every) if m["error"]]
+        if bad:
+            raise RuntimeError(f"holdout failed on rank {bad[0][0]}: {bad[0][1]}")
+        got_logits, got_labels, got_lm = [], [], []
+        for b, cut in enumerate(split):
+            for m in every if cut else every[:1]:
+                if m["lm"]:
+                    got_lm.append(m["lm"][b])
+                else:
+                    got_logits.append(m["logits"][b])
+                    got_labels.append(m["labels"][b])
+        if got_lm:
+            return merge_lm_holdout(got_lm)
+        return classification_holdout(torch.cat(got_logits), torch.cat([t.reshape(-1) for t in got_labels]))
 
     def _holdout_forward_one(self, model, batch):
         label_key = None
@@ -764,6 +1894,494 @@ class TrainingTelemetry:
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
             return label_balance(batch[-1], self.config.batch_label_key or "label")
         return {"batch_size": batch_size_of(batch)}
+
+    def _lora(self, model: torch.nn.Module, layout: _Layout) -> Optional[Dict[str, Any]]:
+        if self._lora_found is None or self._lora_found[0] != layout.key:
+            found = [(name, module, adapter, *lora_factors(module, adapter), dora_magnitude(module, adapter))
+                     for name, module, adapter in find_lora_modules(model)]
+            self._lora_found = (layout.key, found)
+        found = self._lora_found[1]
+        if not found:
+            return None  # no LoRA in this model: no section
+        if self._collective:  # B @ A needs whole factors; gathering them is what sharding avoids
+            raise NotImplementedError("the lora section does not support sharded (FSDP2) parameters yet")
+        name_of = {id(p): n for n, p in zip(layout.names, layout.params)}
+        entries = [(name, a, b, module.scaling[adapter]) for name, module, adapter, a, b, _ in found]
+        stats = lora_stats(entries, self._lora_previous(found, name_of))
+        mags = [(name_of.get(id(m), f"{name}.{adapter}"), m) for name, _, adapter, _, _, m in found
+                if m is not None]
+        if mags:
+            for key, m in mags:
+                self._dora_start.setdefault(key, m.detach().float().clone())
+            stats["dora_magnitude_drift"] = relative_drift([m for _, m in mags],
+                                                           [self._dora_start[k] for k, _ in mags])
+        if not self._keeps_reference():  # no full reference is written: keep one of the adapters
+            ids = {id(t) for entry in found for t in entry[3:] if t is not None}
+            self._write_file(write_tensor_file, self.checkpoint_file,
+                             [(n, p) for n, p in zip(layout.names, layout.params) if id(p) in ids])
+        return stats
+
+    def _lora_previous(self, found: List[tuple], name_of: Dict[int, str]):
+        """(A0, B0) of each LoRA module from the weight reference on disk, or None when it holds none.
+
+        The reference is the one weight_delta keeps (trainable A and B are in it). A factor that is not
+        trainable is not in it either: it cannot have changed, so the current tensor stands in.
+        """
+        try:
+            header, _ = read_tensor_header(self.checkpoint_file)
+        except (OSError, ValueError):
+            return None
+        wanted = []
+        for *_, a, b, _ in found:
+            for p in (a, b):
+                name = name_of.get(id(p))
+                if name is None:
+                    continue
+                meta = header.get(name)
+                if meta is None or meta["shape"] != list(p.shape) or meta["dtype"] != _DTYPE_CODES.get(p.dtype):
+                    return None
+                wanted.append(name)
+
+        def pairs():
+            stream = stream_tensor_file(self.checkpoint_file, wanted)
+            try:
+                for *_, a, b, _ in found:
+                    # copy=True: the stream reads every tensor into one reused buffer
+                    yield tuple(next(stream).to(p.device, copy=True) if id(p) in name_of else p for p in (a, b))
+            finally:
+                stream.close()
+        return pairs()
+
+    # ---- training dynamics -------------------------------------------------------------------------
+
+    def add_metric(self, name: str, fn: Callable[..., Dict[str, Any]]) -> None:
+        """Record `fn(model, optimizer, context)` under `custom.<name>` at every collection.
+
+        `context` is {"step", "batch_idx", "epoch", "batch", "loss"}; `fn` returns {str: number or tensor}
+        (tensors are resolved with the record's one transfer). A failing metric is isolated like a built-in
+        one: recorded in errors["custom.<name>"], warned about once, raised only when `strict`.
+        """
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"add_metric: name must be a non-empty string without dots, got {name!r}")
+        if not callable(fn):
+            raise TypeError(f"add_metric: fn must be callable, got {type(fn).__name__}")
+        self._metrics[name] = fn
+
+    def _keeps_reference(self) -> bool:
+        """Whether collections stream and rewrite the weight reference (several sections share one pass)."""
+        cfg = self.config
+        return cfg.track_weight_delta or cfg.track_update_ratio or cfg.track_param_change or cfg.track_sparse_quality
+
+    def _add_dynamics(self, record, errors, layout, model, device) -> None:
+        cfg = self.config
+        if cfg.track_layer_stats:
+            self._add(record, errors, "layer_stats", self._layer_stats, layout)
+        if self._changes is not None:  # this collection's weight pass (see _weight_delta)
+            if cfg.track_update_ratio:
+                self._add(record, errors, "update_ratio", self._update_ratio, layout)
+                self._add(record, errors, "drift", self._drift, layout)
+                self._add(record, errors, "weight_norm", self._weight_norm, layout)
+            if cfg.track_param_change:
+                self._add(record, errors, "param_change", self._param_change, layout)
+        if cfg.track_sparse_quality:
+            self._add(record, errors, "sparse_quality", self._sparse_quality, layout, model, device)
+        self._changes = None
+
+    def _add_extras(self, record, errors, model, optimizer, batch_idx, epoch, batch, loss, started) -> None:
+        if self.config.track_system:
+            self._add(record, errors, "system", self._system, model, batch, started)
+        if self._metrics:
+            context = {"step": self.step, "batch_idx": batch_idx, "epoch": epoch, "batch": batch, "loss": loss}
+            custom = {}
+            for name, fn in list(self._metrics.items()):
+                value = self._run_section(f"custom.{name}", errors, self._custom_metric, fn, model, optimizer,
+                                          context)
+                if value is not None:
+                    custom[name] = value
+            if custom:
+                record["custom"] = custom
+
+    def _after_host(self, record: Dict[str, Any], layout: Optional[_Layout], errors: Dict[str, str]) -> None:
+        """The steps that compare numbers, after the record's one transfer: no further sync when healthy."""
+        ratio, norms = record.get("update_ratio"), record.get("weight_norm")
+        if isinstance(ratio, dict) and isinstance(norms, dict):
+            for group, norm in norms.items():
+                if norm == 0 and group in ratio:
+                    ratio[group] = None  # ||W|| = 0 (a zero-initialised layer): no ratio, not an Inf
+        if layout is not None and _has_nonfinite(record):  # rare: one more pass names the culprits
+            self._add(record, errors, "nonfinite_params", self._nonfinite_params, layout)
+        if self.config.alerts:
+            self._add(record, errors, "alerts", self._alerts, record)
+
+    def _initial_reference(self, named: List[tuple]) -> Optional[str]:
+        """The W_0 file of drift: kept while it matches the model (across resumes too), else written now."""
+        path = self.initial_file
+        if os.path.exists(path):
+            if reference_matches(path, named):
+                return path
+            self._warn_once("initial", "telemetry: initial_weights.safetensors does not match the model's "
+                                       "trainable parameters; drift restarts from here")
+        self._write_file(write_tensor_file, path, named)
+        return path if self._enabled and os.path.exists(path) else None
+
+    def _capture_initial(self, model, optimizer) -> None:
+        # W_0 at the hook's first call (after the first step), not at the first collection 200 steps on.
+        self._initial_pending = False
+        try:
+            layout = self._layout_for(model, optimizer)
+            if not self._refresh_dist(model, layout):  # DDP: rank 0 alone keeps it
+                return
+            self._initial_reference([(n, local_part(p)) for n, p in zip(layout.names, layout.params)])
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            self._warn_once("initial", f"telemetry: could not keep the initial weights ({exc!r}); drift is "
+                                       "measured from the first collection")
+
+    def _update_ratio(self, layout: _Layout) -> Dict[str, Any]:
+        changes = self._changes
+        if "delta_sq" not in changes:  # no reference yet: null, like weight_delta
+            return {"overall": None, **{g: None for g in layout.group_names}}
+        delta = self._by_group(layout, changes["delta_sq"])
+        weight = self._by_group(layout, changes["weight_sq"])
+        return {k: delta[k] / weight[k] for k in delta}
+
+    def _drift(self, layout: _Layout) -> Optional[Dict[str, Any]]:
+        changes = self._changes
+        return self._by_group(layout, changes["drift_sq"]) if "drift_sq" in changes else None
+
+    def _weight_norm(self, layout: _Layout) -> Dict[str, Any]:
+        return self._by_group(layout, self._changes["weight_sq"])
+
+    def _param_change(self, layout: _Layout) -> Optional[Dict[str, Any]]:
+        changes, cfg = self._changes, self.config
+        if "l1" not in changes:
+            return None  # no reference yet: nothing changed "since the previous collection"
+        wide, device = changes["l1"].dtype, changes["l1"].device
+        numel = torch.tensor([p.numel() for p in layout.params], dtype=wide, device=device)
+        n = numel.sum().clamp(min=1)
+        sq = changes["delta_sq"].to(wide)
+        mean = changes["sum"].sum() / n
+        below = changes["below"][[changes["thresholds"].index(t) for t in cfg.param_change_thresholds]].to(wide)
+        below_rel = changes["below_rel"].to(wide)
+        out: Dict[str, Any] = {
+            "l2": sq.sum().sqrt(), "l1": changes["l1"].sum(), "max_abs": changes["max_abs"].max(), "mean": mean,
+            "std": (sq.sum() / n - mean.square()).clamp(min=0).sqrt(),
+            "sign_flip_fraction": changes["flips"].sum().to(wide) / n,
+            "sparsity": {threshold_key(t): below[k].sum() / n for k, t in enumerate(cfg.param_change_thresholds)},
+            "sparsity_rel": {threshold_key(t): below_rel[k].sum() / n
+                             for k, t in enumerate(cfg.param_change_rel_thresholds)}}
+        for key, by in (("per_layer", "layer"), ("per_component", "component")):
+            rows, index, _ = self._row_index(layout, by)
+            if not rows:
+                continue
+
+            def total(v):  # the last row collects tensors that match no row
+                return torch.zeros(len(rows) + 1, dtype=wide, device=device).index_add_(0, index, v)
+
+            count = total(numel).clamp(min=1)
+            l2, mean_abs = total(sq).sqrt(), total(changes["l1"]) / count
+            shares = torch.stack([total(b) for b in below]) / count if len(below) else None
+            out[key] = {row: {"l2": l2[r], "mean_abs": mean_abs[r],
+                              "sparsity": {threshold_key(t): shares[k, r]
+                                           for k, t in enumerate(cfg.param_change_thresholds)}}
+                        for r, row in enumerate(rows)}
+        return out
+
+    def _row_index(self, layout: _Layout, by: str) -> tuple:
+        """(row names, row of each tensor as a device LongTensor, the same as a list) for by = layer, group,
+        tensor or component. Tensors that match no row (components only) get row len(rows). Cached."""
+        hit = self._rows.get(by)
+        if hit is not None and hit[0] is layout:
+            return hit[1:]
+        if by == "tensor":
+            labels = list(layout.names)
+        elif by == "group":
+            first = layout.membership[:layout.first_partition]
+            labels = [layout.group_names[int(first[:, i].argmax())] for i in range(len(layout.params))]
+        elif by == "layer":
+            labels = [layer_key(n) for n in layout.names]
+        else:
+            labels = [component_of(n) for n in layout.names]
+        rows = list(dict.fromkeys(label for label in labels if label is not None))
+        position = {row: k for k, row in enumerate(rows)}
+        as_list = [position.get(label, len(rows)) for label in labels]
+        device = layout.params[0].device if layout.params else "cpu"
+        self._rows[by] = (layout, rows, torch.tensor(as_list, dtype=torch.long, device=device), as_list)
+        return self._rows[by][1:]
+
+    def _layer_stats(self, layout: _Layout) -> Optional[Dict[str, Any]]:
+        if not layout.params:
+            return None
+        if self._collective:
+            return self._layer_stats_sharded(layout)
+        rows, index, as_list = self._row_index(layout, self.config.layer_stats_by)
+        device = layout.params[0].device
+        grads = [p.grad for p in layout.params]
+        present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
+        w_sq = per_tensor_sq_norms([p.detach() for p in layout.params], device)
+        weight_norm = torch.zeros(len(rows) + 1, device=device).index_add_(0, index, w_sq).sqrt()
+        pooled, with_grad = None, {as_list[i] for i in present}
+        if present:
+            stats = per_tensor_stats([grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in present],
+                                     device)
+            pooled = pool_stats(stats, index[present], len(rows) + 1)
+        out = {}
+        for r, row in enumerate(rows):
+            entry = {k: (pooled[k][r] if pooled is not None and r in with_grad else None) for k in _GRAD_STATS}
+            entry["weight_norm"] = weight_norm[r]
+            out[row] = entry
+        return out
+
+    def _nonfinite_params(self, layout: _Layout) -> Optional[List[str]]:
+        """Names of the trainable tensors whose weights or gradients hold NaN/Inf (one pass, one transfer)."""
+        if not layout.params:
+            return None
+        device = layout.params[0].device
+        with_grad = [i for i, p in enumerate(layout.params) if p.grad is not None]
+        # Sharded: this rank's parts only (no collective here: ranks may disagree about running it).
+        grads = [local_part(layout.params[i].grad) for i in with_grad]
+        finite = torch.cat([per_tensor_finite([local_part(p).detach() for p in layout.params], device),
+                            per_tensor_finite([g.to_dense() if g.is_sparse else g for g in grads], device)]
+                           ).cpu().tolist()
+        n = len(layout.params)
+        bad = [i for i in range(n) if not finite[i]] + [i for k, i in enumerate(with_grad) if not finite[n + k]]
+        names = list(dict.fromkeys(layout.names[i] for i in sorted(bad)))
+        return names or None
+
+    def _alerts(self, record: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+        """Alerts whose condition starts in this record (each condition is reported once while it holds).
+
+        State is O(1): two fixed-size windows (loss, gradient norm) and one streak counter per group.
+        """
+        cfg = self.config
+        self._collections += 1
+        holding: Dict[tuple, Dict[str, Any]] = {}
+
+        def hold(code, severity, message, group=None):
+            if (code, group) not in holding:
+                alert = {"code": code, "severity": severity, "message": message}
+                if group is not None:
+                    alert["group"] = group
+                holding[(code, group)] = alert
+
+        _, paths = replace_nonfinite(record)
+        paths = [p for p in paths if not p.startswith(("update_ratio", "custom"))]
+        tensors = record.get("nonfinite_params") or []
+        if paths or tensors:
+            shown = ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "")
+            if tensors:
+                shown += f" (tensors: {', '.join(tensors[:4])}{', ...' if len(tensors) > 4 else ''})"
+            hold("nonfinite", "critical", f"non-finite values: {shown.strip()}")
+        loss = record.get("loss")
+        if _finite_number(loss):
+            history = self._alert_history["loss"]
+            if len(history) >= MIN_ALERT_HISTORY:
+                z = robust_z(history, loss)
+                if z > cfg.alert_spike_threshold:
+                    hold("loss_spike", "warning", f"loss {loss:.4g} is {z:.1f} robust SDs above its rolling "
+                                                  f"median {statistics.median(history):.4g}")
+            history.append(loss)
+        norm = (record.get("gradient_norm") or {}).get("overall")
+        if _finite_number(norm):
+            history = self._alert_history["grad"]
+            if len(history) >= MIN_ALERT_HISTORY:
+                median = statistics.median(history)
+                z = robust_z(history, norm)
+                if median > 0 and norm > cfg.alert_explosion_factor * median:
+                    hold("grad_explosion", "critical", f"gradient norm {norm:.4g} is {norm / median:.0f}x its "
+                                                       f"rolling median {median:.4g}")
+                elif z > cfg.alert_spike_threshold:
+                    hold("grad_spike", "warning", f"gradient norm {norm:.4g} is {z:.1f} robust SDs above its "
+                                                  f"rolling median {median:.4g}")
+            history.append(norm)
+        lrs = {g: v for g, v in (record.get("learning_rates") or {}).items()
+               if g not in ("overall", "not_in_optimizer") and _finite_number(v)}
+        if any(v > 0 for v in lrs.values()):
+            for group, lr in lrs.items():
+                if lr == 0:
+                    hold("lr_zero", "warning", f"group {group!r} has learning rate 0 while other groups train",
+                         group)
+        moved = "weight_delta" if "weight_delta" in record else "update_ratio"
+        for kind, section in (("gradient", "gradient_norm"), ("update", moved)):
+            values = record.get(section) or {}
+            moving = _finite_number(values.get("overall")) and values["overall"] > 0
+            for group, value in values.items():
+                if group == "overall":
+                    continue
+                # The first collection never counts: LoRA's A has an exactly-zero gradient at step 1.
+                frozen = moving and _finite_number(value) and value == 0 and self._collections > 1
+                streak = self._frozen_streak.get((kind, group), 0) + 1 if frozen else 0
+                self._frozen_streak[(kind, group)] = streak
+                if streak >= 2:
+                    hold("frozen_group", "warning", f"group {group!r}: {kind} exactly 0 for {streak} collections "
+                                                    "while other groups move", group)
+        new = [alert for key, alert in holding.items() if key not in self._alert_active]
+        self._alert_active = set(holding)
+        for alert in new:
+            _LOGGER.warning("telemetry alert at step %s [%s]: %s", record.get("step"), alert["code"],
+                            alert["message"])
+        self._pending_alerts.extend(new)
+        return new or None
+
+    def _dispatch_alerts(self, record: Optional[Dict[str, Any]]) -> None:
+        # Outside the hook's error guard: what on_alert raises (e.g. to stop training) reaches the loop.
+        pending, self._pending_alerts = self._pending_alerts, []
+        if self.on_alert is not None and record is not None:
+            for alert in pending:
+                self.on_alert(dict(alert, step=record["step"]))
+
+    def _system(self, model: torch.nn.Module, batch: Any, started: float) -> Dict[str, Any]:
+        """Wall time per step and throughput since the previous collection, memory, GPU utilisation.
+
+        Throughput assumes the batches since then were the size of this one. telemetry_share is the previous
+        collection's own time over the wall time since it started. cuda_peak_mb is the peak since the
+        process started (the counter is not reset: that is the user's to do).
+        """
+        out: Dict[str, Any] = {}
+        last, self._system_last = self._system_last, (started, self.step)
+        if last is not None and self.step > last[1] and started > last[0]:
+            elapsed, steps = started - last[0], self.step - last[1]
+            out["step_time_s"] = elapsed / steps
+            if batch is not None:
+                try:
+                    out["examples_per_s"] = batch_size_of(batch) * steps / elapsed
+                except TypeError:
+                    pass
+                ids = batch.get("input_ids") if isinstance(batch, dict) else None
+                if isinstance(ids, torch.Tensor):
+                    mask = batch.get("attention_mask")
+                    tokens = mask.sum() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else ids.numel()
+                    out["tokens_per_s"] = tokens * steps / elapsed
+            out["telemetry_share"] = self._last_ms / 1e3 / elapsed
+        rss = _rss_mb()
+        if rss is not None:
+            out["rss_mb"] = rss
+        device = next((p.device for p in model.parameters()), None)
+        if device is not None and device.type == "cuda":
+            out["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
+            out["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
+            out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            if not self._no_gpu_util:
+                try:
+                    out["gpu_util_pct"] = float(torch.cuda.utilization(device))  # imports pynvml lazily
+                except Exception:  # no nvidia-ml-py, or no NVML: the key is absent
+                    self._no_gpu_util = True
+        return out
+
+    @staticmethod
+    def _custom_metric(fn: Callable, model, optimizer, context) -> Dict[str, Any]:
+        values = fn(model, optimizer, context)
+        if not isinstance(values, dict):
+            raise TypeError(f"returned a {type(values).__name__}, expected a dict of numbers")
+        out = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            elif not (value is None or isinstance(value, (bool, int, float))):
+                raise TypeError(f"value {key!r} is a {type(value).__name__}, expected a number or a tensor")
+            out[str(key)] = value
+        return out
+
+    def _sparse_quality(self, layout: _Layout, model: torch.nn.Module, device: Any) -> Optional[Dict[str, Any]]:
+        files, self._sparse_files = self._sparse_files, None
+        if self._collective:  # it rewrites the weights from whole references, which no rank holds
+            raise NotImplementedError("sparse_quality does not support sharded (FSDP2) parameters")
+        if not self._holdout:
+            self._warn_once("sparse-holdout", "telemetry: track_sparse_quality needs holdout inputs "
+                                              "(set_holdout_data); skipped")
+            return None
+        if files is None or self._changes is None or "below" not in self._changes:
+            return None  # the first collection: no update to sparsify yet
+        previous, current = files
+        try:
+            return self._compare_sparse(layout, model, device, previous, current)
+        finally:
+            try:
+                os.remove(previous)
+            except OSError:
+                pass
+
+    def _compare_sparse(self, layout, model, device, previous: str, current: str) -> Dict[str, Any]:
+        """Holdout outputs of the full update against the update with only |dW| > t kept, per threshold,
+        and against a random mask keeping the same share of each tensor (the baseline).
+
+        The weights are overwritten in place chunk by chunk from the two references on disk (previous and
+        current weights), never copied on the device; the current file restores them bit for bit.
+        """
+        cfg, changes = self.config, self._changes
+        device = torch.device(device) if device is not None else _model_device(model)
+        batches = self._holdout_on.get(str(device))
+        if batches is None:
+            batches = self._holdout_on[str(device)] = [move_to(b, device) for b in self._holdout]
+        counts = torch.tensor([p.numel() for p in layout.params], dtype=changes["l1"].dtype,
+                              device=changes["below"].device)
+        modes = [(m, m.training) for m in model.modules()]
+        rng = _rng_state()
+        out: Dict[str, Any] = {}
+        touched = False
+        try:
+            model.eval()
+            with torch.no_grad():
+                full, valid = [], []
+                for batch in batches:
+                    outputs, labels = self._holdout_forward_one(model, batch)
+                    logits = output_logits(outputs).detach()
+                    full.append(logits)
+                    valid.append(_valid_positions(logits, labels))
+                for k, t in enumerate(cfg.sparse_quality_thresholds):
+                    dropped = changes["below"][changes["thresholds"].index(t)].to(counts.dtype)
+                    entry: Dict[str, Any] = {"kept_ratio": 1 - dropped.sum() / counts.sum().clamp(min=1)}
+                    touched = True
+                    self._apply_sparse(layout, previous, current, threshold=t)
+                    entry.update(self._agreement(model, batches, full, valid))
+                    keep = 1 - dropped / counts.clamp(min=1)
+                    self._apply_sparse(layout, previous, current, keep=keep, seed=self.step * 1009 + k)
+                    entry["random"] = self._agreement(model, batches, full, valid)
+                    out[threshold_key(t)] = entry
+        finally:
+            if touched:
+                with torch.no_grad():
+                    _overwrite_weights(layout.params, (
+                        (i, start, chunk.to(layout.params[i].device))
+                        for i, start, chunk in stream_tensor_chunks(current, layout.names)))
+            for module, mode in modes:
+                module.training = mode
+            _set_rng_state(rng)
+        return out
+
+    def _apply_sparse(self, layout: _Layout, previous: str, current: str, threshold: Optional[float] = None,
+                      keep: Optional[torch.Tensor] = None, seed: int = 0) -> None:
+        """w <- where(mask, w_now, w_prev) for every trainable tensor: mask = |w_now - w_prev| > threshold,
+        or (with keep) uniform < keep[i] from a private generator: the global RNG is not touched."""
+        generators: Dict[Any, torch.Generator] = {}
+
+        def chunks():
+            for (i, start, now), (_, _, prev) in zip(stream_tensor_chunks(current, layout.names),
+                                                     stream_tensor_chunks(previous, layout.names)):
+                dev = layout.params[i].device
+                now_d, prev_d = now.to(dev), prev.to(dev)
+                if keep is None:
+                    mask = (now_d.float() - prev_d.float()).abs() > threshold
+                else:
+                    gen = generators.get(dev)
+                    if gen is None:
+                        gen = generators[dev] = torch.Generator(device=dev)
+                        gen.manual_seed(seed)
+                    mask = torch.rand(now_d.shape, generator=gen, device=dev) < keep[i].to(dev)
+                yield i, start, torch.where(mask, now_d, prev_d)
+
+        _overwrite_weights(layout.params, chunks())
+
+    def _agreement(self, model, batches, full, valid) -> Dict[str, Any]:
+        sums = None
+        for batch, reference, ok in zip(batches, full, valid):
+            outputs, _ = self._holdout_forward_one(model, batch)
+            part = logit_agreement(reference, output_logits(outputs), ok)
+            sums = part if sums is None else {k: sums[k] + part[k] for k in part}
+        positions = sums["positions"].clamp(min=1)
+        return {"kl": (sums["kl"] / positions).clamp(min=0), "cosine": sums["cosine"] / positions,
+                "mse": sums["sq"] / sums["elements"].clamp(min=1), "top1_agree": sums["agree"] / positions}
 
     # ---- groups ------------------------------------------------------------------------------------
 
@@ -799,7 +2417,9 @@ class TrainingTelemetry:
             for i, p in enumerate(params):
                 gi = opt_index.get(id(p))
                 by_opt.setdefault(opt_names[gi] if gi is not None else "not_in_optimizer", []).append(i)
-            partitions.append(by_opt)
+            # A group with no trainable parameter (the HF Trainer's empty no-decay group) has a learning
+            # rate but no gradient or delta: a 0 there would read as a frozen group.
+            partitions.append({n: idx for n, idx in by_opt.items() if idx})
             for gi, n in enumerate(opt_names):
                 readers[n] = lr_reader(gi)
             if by_opt.get("not_in_optimizer"):
@@ -811,6 +2431,13 @@ class TrainingTelemetry:
             for gi, n in enumerate(opt_names):
                 if n not in partitions[0]:
                     readers[n] = lr_reader(gi)
+        if self.config.track_lora and not self.config.groups:  # LoRA groups, beside the optimizer's
+            lora = self._lora_partition(model, params, partitions[0])
+            if lora:
+                partitions.append(lora)
+                for g, idx in lora.items():
+                    held = [opt_index.get(id(params[i])) for i in idx]
+                    readers[g] = lr_reader(max(set(held), key=held.count))
         group_names = [g for part in partitions for g in part]
         membership = torch.zeros(len(group_names), len(params))
         for row, idx in enumerate(idx for part in partitions for idx in part.values()):
@@ -822,6 +2449,29 @@ class TrainingTelemetry:
                                group_lrs=[readers[g] for g in lr_names], first_partition=len(partitions[0]))
         self._describe_layout(model, optimizer, partitions)
         return self._layout
+
+    def _lora_partition(self, model, params, first: Dict[str, List[int]]) -> Dict[str, List[int]]:
+        """lora_A, lora_B, lora_magnitude (DoRA) and the other trainable parameters, when there is LoRA.
+
+        A group that the first partition already has with the same members is left out (same numbers), and
+        so is "other" when some optimizer group holds exactly those; a name the first partition uses for
+        other members gets a "_lora" suffix, so record keys never collide.
+        """
+        roles: Dict[int, str] = {}
+        for _, module, adapter in find_lora_modules(model):
+            a, b = lora_factors(module, adapter)
+            roles[id(a)], roles[id(b)] = "lora_A", "lora_B"
+            m = dora_magnitude(module, adapter)
+            if m is not None:
+                roles[id(m)] = "lora_magnitude"
+        if not roles:
+            return {}
+        part: Dict[str, List[int]] = {"lora_A": [], "lora_B": [], "lora_magnitude": [], "other": []}
+        for i, p in enumerate(params):
+            part[roles.get(id(p), "other")].append(i)
+        same = [idx for idx in first.values()]
+        return {(g + "_lora" if g in first else g): idx for g, idx in part.items()
+                if idx and first.get(g) != idx and not (g == "other" and idx in same)}
 
     def _describe_layout(self, model, optimizer, partitions) -> None:
         layout = self._layout
@@ -854,8 +2504,68 @@ class TrainingTelemetry:
     # ---- I/O ---------------------------------------------------------------------------------------
 
     def _append(self, record: Dict[str, Any]) -> None:
+        if self._rank != 0:  # one writer per run
+            return
+        if self._holding:
+            self._held.append(record)
+            return
+        self._mirror(record)  # first, so that a mirror's error is in the line
         line = json.dumps(record, allow_nan=False, separators=(",", ":"), default=_json_default)
         self._write_file(self._append_line, line)
+
+    def _mirror(self, record: Dict[str, Any]) -> None:
+        """Send the record's numbers to the configured mirrors; a failure lands in the record's errors
+        (mirror_<name>), warned about once, and never stops the JSONL line."""
+        flat = None
+        for name in self.config.mirror:
+            if name in self._mirror_off:
+                continue
+            try:
+                flat = flatten_scalars(record) if flat is None else flat
+                (self._mirror_wandb if name == "wandb" else self._mirror_tensorboard)(flat, record["step"])
+            except Exception as exc:
+                if self.config.strict:
+                    raise
+                if isinstance(exc, ImportError):  # not installed: stop trying
+                    self._mirror_off.add(name)
+                message = f"{type(exc).__name__}: {exc}"
+                record.setdefault("errors", {})[f"mirror_{name}"] = message
+                self._warn_once(f"mirror:{name}", f"telemetry: the {name} mirror failed ({message}); "
+                                                  "telemetry.jsonl is unaffected")
+
+    def _mirror_wandb(self, flat: Dict[str, float], step: int) -> None:
+        import wandb  # lazy: only with mirror: [wandb]
+
+        run = wandb.run
+        if run is None:
+            self._warn_once("wandb-run", "telemetry: mirror wandb: no active run (call wandb.init() first); "
+                                         "records are not mirrored until there is one")
+            return
+        if run is not self._wandb_run:
+            # Our own x axis: logging with step= would fight other loggers' steps (wandb drops older ones).
+            run.define_metric("telemetry/step")
+            run.define_metric("telemetry/*", step_metric="telemetry/step")
+            self._wandb_run = run
+        run.log({**flat, "telemetry/step": step})
+
+    def _mirror_tensorboard(self, flat: Dict[str, float], step: int) -> None:
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: needs the tensorboard package
+
+            self._tb = SummaryWriter(os.path.join(self.output_dir, "tb"))
+        for key, value in flat.items():
+            self._tb.add_scalar(key, value, global_step=step)
+        self._tb.flush()
+
+    def _release_held(self) -> None:
+        """Write the records held back for the Trainer's log (see hf_callback_class), in order."""
+        held, self._held, holding = self._held, [], self._holding
+        self._holding = False
+        try:
+            for record in held:
+                self._append(record)
+        finally:
+            self._holding = holding
 
     def _append_line(self, line: str) -> None:
         if self._records is None:
@@ -867,12 +2577,17 @@ class TrainingTelemetry:
 
     def _write_file(self, fn, *args) -> None:
         """Run a write; on a full or unwritable disk, warn once and stop collecting (training goes on)."""
+        if self._no_writes:
+            return
         try:
             fn(*args)
         except OSError as exc:
             if self.config.strict:
                 raise
-            self._enabled = False
+            if self._collective:  # the other ranks still collect: keep taking part, stop writing
+                self._no_writes = True
+            else:
+                self._enabled = False
             self._warn_once("disk", f"telemetry: cannot write to {self.output_dir} ({exc}); telemetry is "
                                     "off for the rest of this run, training goes on")
 
@@ -886,6 +2601,9 @@ class TrainingTelemetry:
             return {"starts": []}
 
     def _write_run_info(self) -> None:
+        if self._rank != 0:
+            return
+
         def write(path, info):
             with open(path + ".tmp", "w", encoding="utf-8") as f:
                 json.dump(info, f, indent=1, default=_json_default)
@@ -901,7 +2619,7 @@ class TrainingTelemetry:
                 chunk = 1 << 16
                 while True:
                     f.seek(max(0, size - chunk))
-                    lines = f.read().splitlines()
+                    lines = f.read(min(chunk, size)).splitlines()
                     for line in reversed(lines[1:] if size > chunk else lines):
                         try:
                             return int(json.loads(line)["step"])
@@ -920,18 +2638,111 @@ class TrainingTelemetry:
 
 
 _SECTION_KEYS = {"gradient_norm", "weight_delta", "learning_rates", "holdout_logits", "batch_stats",
-                 "telemetry_ms", "nonfinite", "errors", "schema"}
+                 "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
+                 "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
+                 "sparse_quality", "alerts", "system", "custom", "grad_scaler"}
+INITIAL_FILE = "initial_weights.safetensors"  # W_0 of drift, written once
+_GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
+MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
+_LOGGER = logging.getLogger("telemetry")
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _has_nonfinite(node: Any) -> bool:
+    if isinstance(node, float):
+        return not math.isfinite(node)
+    if isinstance(node, dict):
+        return any(_has_nonfinite(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_nonfinite(v) for v in node)
+    return False
+
+
+def _rss_mb() -> Optional[float]:
+    """Resident set size of this process in MiB: /proc/self/statm on Linux, else psutil when installed."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil  # optional, lazy
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:
+        return None
+
+
+def _valid_positions(logits: torch.Tensor, labels: Any) -> Optional[torch.Tensor]:
+    # LM logits [N, T, V]: position t counts when it predicts a supervised token t+1 (as in the holdout).
+    if logits.dim() != 3 or not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
+        return None
+    valid = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
+    valid[:, :-1] = labels[:, 1:].to(logits.device) != IGNORE_INDEX
+    return valid
+
+
+def _overwrite_weights(params: List[torch.Tensor], chunks: Any) -> None:
+    """Write (tensor index, start element, values) chunks into the weights in place, in logical order.
+
+    A non-contiguous weight (e.g. channels_last) is staged whole, then copied: its flat view is not its
+    memory order. Call under torch.no_grad().
+    """
+    staged: Dict[int, torch.Tensor] = {}
+    for i, start, values in chunks:
+        p = params[i]
+        if p.is_contiguous():
+            p.detach().view(-1)[start:start + values.numel()].copy_(values)
+            continue
+        buf = staged.setdefault(i, torch.empty(p.numel(), dtype=p.dtype, device=p.device))
+        buf[start:start + values.numel()].copy_(values)
+        if start + values.numel() == p.numel():
+            p.detach().copy_(buf.view(p.shape))
+            del staged[i]
+
+
+# Per-tensor gradient statistics that sharded layer_stats all-reduces (max; min travels as max of -min).
+_STAT_ROWS = ("sum", "zeros", "nans", "infs", "numel", "max", "negmin", "weight_sq")
+
+
+def _rank_and_world() -> tuple:
+    """(rank, world size) of the default process group; before init_process_group, torchrun's RANK and
+    WORLD_SIZE, so that only rank 0 writes run.json even when telemetry is made first."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), 1
+
+
+def _parallelism(model: torch.nn.Module, params: List[torch.Tensor], world_size: int) -> str:
+    """none, ddp, fsdp2 (DTensor parameters: fully_shard, also HSDP and TP), deepspeed (ZeRO's parameter
+    attributes) or fsdp1 (FullyShardedDataParallel, unsupported)."""
+    if world_size == 1:
+        return "none"
+    if any(is_sharded(p) for p in params):
+        return "fsdp2"
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):
+        return "deepspeed"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "fsdp1"
+    return "ddp"
+
+
+def _reduce_device() -> torch.device:
+    # gloo reduces host tensors; nccl and the other accelerator backends reduce on the current device.
+    if torch.distributed.get_backend() == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _pad_seq(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    if t.shape[1] == width:
-        return t
-    pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
-    return torch.nn.functional.pad(t, pad, value=value)
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -964,3 +2775,217 @@ def _json_default(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return str(value)
+
+
+# =====================================================================================================
+# Integrations: built on first use, so that this module imports with torch alone
+# =====================================================================================================
+
+_LAZY_CLASSES: Dict[str, type] = {}
+
+
+def hf_callback_class() -> type:
+    """The transformers.TrainerCallback subclass behind TrainingTelemetry.hf_callback(), made on first use."""
+    if "hf" in _LAZY_CLASSES:
+        return _LAZY_CLASSES["hf"]
+    from transformers import TrainerCallback  # lazy: only HF Trainer users need transformers
+
+    class TelemetryCallback(TrainerCallback):
+        """Feeds a TrainingTelemetry from transformers.Trainer (and TRL's and unsloth's trainers on top of it).
+
+        The Trainer's order for one optimizer step: forward and backward of each micro-batch, clipping,
+        on_pre_optimizer_step, optimizer.step(), on_optimizer_step, scheduler step, zero_grad, global_step
+        += 1, on_step_end, then on_log with that step's pre-clip `grad_norm`. Hence:
+        - it collects in on_optimizer_step, where the gradients (after clipping) are still there, the
+          weights are updated and every group's lr is the one this step used. Never in on_step_end: the
+          gradients are gone by then;
+        - it holds that record back until the Trainer logs the same step, and adds the logged pre-clip
+          `grad_norm` (and the logged `loss`) as the `trainer` section. When the Trainer does not log that
+          step the record is written, without `trainer`, at the next step or at the end of training;
+        - steps are optimizer steps (state.global_step), never micro-batches: collect_every_n counts them;
+        - hooks on the model see each training micro-batch by reference (batch_stats comes from the step's
+          last micro-batch) and its outputs.loss (averaged over the step's micro-batches, or summed when
+          the Trainer normalised them by num_items_in_batch), so no user code is needed.
+        """
+
+        def __init__(self, telemetry: "TrainingTelemetry"):
+            self.telemetry = telemetry
+            self._handles: List[Any] = []
+            self._batch: Any = None
+            self._losses: List[torch.Tensor] = []
+            self._loss_is_sum = False
+            self._pending: Optional[Dict[str, Any]] = None
+            self._epoch = 0
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self._detach()
+            if model is not None and self.telemetry._enabled:
+                self._handles = [model.register_forward_pre_hook(self._see_batch, with_kwargs=True),
+                                 model.register_forward_hook(self._see_output, with_kwargs=True)]
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            self._epoch = int(state.epoch or 0)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._release()
+            self._losses = []
+
+        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self._release()
+            telemetry = self.telemetry
+            telemetry.step = state.global_step  # on_batch_end counts it up to this optimizer step
+            telemetry._holding = True
+            try:
+                self._pending = telemetry.on_batch_end(model, optimizer, state.global_step + 1, self._epoch,
+                                                       batch=self._batch, loss=self._step_loss())
+            finally:
+                telemetry._holding = False
+            self._losses = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            record = self._pending
+            if record is None or not logs or "grad_norm" not in logs or record["step"] != state.global_step:
+                return
+            trainer = {}
+            for key in ("grad_norm", "loss"):
+                value = logs.get(key)
+                if isinstance(value, (int, float, torch.Tensor)):
+                    value = float(value)
+                    if not math.isfinite(value):
+                        record.setdefault("nonfinite", []).append(f"trainer.{key}")
+                        value = None
+                    trainer[key] = value
+            record["trainer"] = trainer
+            self._release()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._release()
+            self._detach()
+            self.telemetry.close()
+
+        def _release(self):
+            self._pending = None
+            self.telemetry._release_held()
+
+        def _detach(self):
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+        def _see_batch(self, module, args, kwargs):
+            if module.training and torch.is_grad_enabled():  # not the holdout's or evaluate()'s forwards
+                self._batch = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+
+        def _see_output(self, module, args, kwargs, output):
+            if module.training and torch.is_grad_enabled():
+                loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+                if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                    self._losses.append(loss.detach().reshape(()))
+                    self._loss_is_sum = "num_items_in_batch" in kwargs
+
+        def _step_loss(self):
+            if not self._losses:
+                return None
+            total = torch.stack([t.to(self._losses[0].device) for t in self._losses]).float().sum()
+            return total if self._loss_is_sum else total / len(self._losses)
+
+    _LAZY_CLASSES["hf"] = TelemetryCallback
+    return TelemetryCallback
+
+
+def lightning_callback_class() -> type:
+    """The lightning.pytorch Callback behind TrainingTelemetry.lightning_callback(), made on first use."""
+    if "lightning" in _LAZY_CLASSES:
+        return _LAZY_CLASSES["lightning"]
+    try:
+        from lightning.pytorch import Callback  # lazy: only Lightning users need it
+    except ImportError:
+        from pytorch_lightning import Callback  # the package's older name
+
+    class TelemetryCallback(Callback):
+        """Feeds a TrainingTelemetry from a Lightning Trainer (automatic optimization, one optimizer).
+
+        Lightning's order for one batch: zero_grad (inside the step's closure, before training_step),
+        training_step, backward, [AMP: scaler.unscale_], on_before_optimizer_step, gradient clipping,
+        optimizer.step(), [scaler.update()], on_train_batch_end. Hence:
+        - gradients are read in on_before_optimizer_step (capture_gradients): unscaled and before clipping,
+          the norm lightning.pytorch.utilities.grad_norm reports there;
+        - the record is made in on_train_batch_end: the weights are updated (the delta includes this step)
+          and every group's lr is the one this step used;
+        - batch_idx is Lightning's, per epoch: collect_every_n counts batches. With accumulate_grad_batches
+          > 1, a collected batch that ends no optimizer step reads the partly accumulated gradients;
+        - 16-mixed precision's GradScaler is picked up in on_fit_start (the grad_scaler section).
+        Under DDP the callback runs on every rank and rank 0 writes; under FSDP2 (ModelParallelStrategy)
+        every rank takes part, as on_batch_end requires.
+        """
+
+        def __init__(self, telemetry: "TrainingTelemetry"):
+            self.telemetry = telemetry
+            self._batch_idx = 0
+
+        def on_fit_start(self, trainer, pl_module):
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            if scaler is not None:
+                self.telemetry.set_grad_scaler(scaler)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._batch_idx = batch_idx
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.telemetry.capture_gradients(pl_module, self._optimizer(trainer), self._batch_idx)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            self.telemetry.on_batch_end(pl_module, self._optimizer(trainer), batch_idx, trainer.current_epoch,
+                                        device=pl_module.device, batch=batch,
+                                        loss=loss if isinstance(loss, torch.Tensor) else None)
+
+        def on_fit_end(self, trainer, pl_module):
+            self.telemetry.close()
+
+        @staticmethod
+        def _optimizer(trainer):
+            # The unwrapped optimizer, as the GradScaler keys its per-optimizer state by it.
+            optimizers = trainer.optimizers
+            return optimizers[0] if optimizers else None
+
+    _LAZY_CLASSES["lightning"] = TelemetryCallback
+    return TelemetryCallback
+
+
+def full_gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """param.grad; for a DeepSpeed ZeRO parameter whose .grad is None, deepspeed's safe_get_full_grad.
+
+    ZeRO-1/2 keep the reduced gradient in the optimizer's flat partitions and ZeRO-3 partitions the
+    parameter itself, so .grad stays None. safe_get_full_grad assembles the full fp32 gradient; it is a
+    collective, valid between engine.backward() and engine.step(), which is why DeepSpeed runs make every
+    rank collect. Without deepspeed importable there is nothing to assemble from: None (recorded as null).
+    """
+    if param.grad is not None or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
+        return param.grad
+    try:
+        from deepspeed.utils import safe_get_full_grad  # lazy: only DeepSpeed runs have it
+    except ImportError:
+        return None
+    return safe_get_full_grad(param)
+
+
+def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry") -> Dict[str, float]:
+    """A record's numbers under mirror keys: {"telemetry/gradient_norm/head": 0.5, ...}.
+
+    Nested keys are joined by "/"; lists (predictions, alerts), strings, bools and nulls are left out, and
+    so are schema/step/batch_idx/timestamp (the step is the mirrors' x axis).
+    """
+    out: Dict[str, float] = {}
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            out[path] = float(node)
+
+    for key, value in record.items():
+        if key not in ("schema", "step", "batch_idx", "timestamp"):
+            walk(value, f"{prefix}/{key}")
+    return out

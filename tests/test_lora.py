@@ -1,0 +1,491 @@
+"""LoRA telemetry on real peft and transformers. The references are peft's own get_delta_weight, a merged
+copy of the model, dense SVDs, HF's own causal-LM loss and the HF Trainer's own logged grad_norm and loss."""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import (LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer,  # noqa: E402
+                          TrainingArguments)
+
+import telemetry  # noqa: E402
+from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Models this small run several times faster on one thread, and the CI machine has two cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB))
+
+
+def lora_model(seed=0, **lora):
+    spec = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    return get_peft_model(tiny_llama(seed), LoraConfig(**{**spec, **lora}))
+
+
+def lora_layers(model):
+    """peft's LoRA layers, found through peft's API (not telemetry's duck typing)."""
+    from peft.tuners.lora import LoraLayer
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def randomize_adapters(model, seed, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
+
+
+def dense_deltas(model):
+    return {n: m.get_delta_weight("default").detach().double() for n, m in lora_layers(model)}
+
+
+def layer_of(name):
+    return int(name.split(".layers.")[1].split(".")[0])
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def new_telemetry(tmp_path, **kw):
+    return TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True, **kw))
+
+
+def read_records(run_dir):
+    with open(os.path.join(run_dir, "telemetry.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ---- Gram-based norms against peft's dense delta weights ----------------------------------------------
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_adapter_norm_and_stable_rank_match_peft_dense(tmp_path, use_rslora, use_dora):
+    # rank_pattern/alpha_pattern give modules different r and scaling: a wrong or cached s would show.
+    model = lora_model(use_rslora=use_rslora, use_dora=use_dora, rank_pattern={"v_proj": 2},
+                       alpha_pattern={"down_proj": 32})
+    randomize_adapters(model, 1)
+    layers = lora_layers(model)
+    assert len({m.scaling["default"] for _, m in layers}) == 3
+    rec = new_telemetry(tmp_path, track_gradients=False).on_batch_end(model, None, 1, 0)
+    lora = rec["lora"]
+
+    dense = dense_deltas(model)
+    sq = {n: float(d.square().sum()) for n, d in dense.items()}
+    assert lora["modules"] == len(dense) == 6
+    assert rel(lora["adapter_norm"]["overall"], math.sqrt(sum(sq.values()))) < 1e-5
+    for i in (0, 1):
+        ref = math.sqrt(sum(v for n, v in sq.items() if layer_of(n) == i))
+        assert rel(lora["adapter_norm"][f"layer_{i}"], ref) < 1e-5
+    for name, module in layers:  # module by module, through the pure function
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        assert rel(float(telemetry.lora_norm_sq(a, b, module.scaling["default"])), sq[name]) < 1e-5
+
+    if not use_dora:  # a merged copy: merged weight - base weight is the adapter's dW
+        merged = copy.deepcopy(model).merge_and_unload()
+        merged_weights = dict(merged.named_parameters())
+        for name, module in layers:
+            diff = merged_weights[name.replace("base_model.model.", "", 1) + ".weight"].double() \
+                - module.base_layer.weight.double()
+            assert rel(math.sqrt(sq[name]), float(diff.norm())) < 1e-5
+    else:  # DoRA: adapter_norm is the low-rank part s*B*A; its magnitude vector is reported apart
+        assert lora["dora_magnitude_drift"] == 0.0
+
+    ranks = []
+    for d in dense.values():
+        s = torch.linalg.svdvals(d)
+        ranks.append(float(s.square().sum() / s[0] ** 2))
+    assert rel(lora["stable_rank"]["min"], min(ranks)) < 1e-5
+    assert rel(lora["stable_rank"]["median"], float(np.median(ranks))) < 1e-5
+    assert rel(lora["stable_rank"]["max"], max(ranks)) < 1e-5
+    assert lora["b_zero_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("keep_reference", [True, False])
+def test_adapter_delta_matches_dense_difference(tmp_path, keep_reference):
+    # Without weight_delta's reference pass, the lora section keeps a reference of the adapters itself.
+    model = lora_model(modules_to_save=["lm_head"])
+    randomize_adapters(model, 1)
+    tele = new_telemetry(tmp_path, track_weight_delta=keep_reference, track_update_ratio=keep_reference,
+                         track_gradients=False)
+    first = tele.on_batch_end(model, None, 1, 0)["lora"]["adapter_delta"]
+    kept, _ = telemetry.read_tensor_header(os.path.join(str(tmp_path), "last_checkpoint.safetensors"))
+    assert all(".lora_" in name for name in kept) != keep_reference  # adapters only, or every weight
+    assert first == {"overall": None, "layer_0": None, "layer_1": None}  # no reference yet: null, never 0
+    before = dense_deltas(model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    delta = tele.on_batch_end(model, None, 2, 0)["lora"]["adapter_delta"]
+    after = dense_deltas(model)
+    sq = {n: float((after[n] - before[n]).square().sum()) for n in after}
+    assert rel(delta["overall"], math.sqrt(sum(sq.values()))) < 1e-5
+    for i in (0, 1):
+        assert rel(delta[f"layer_{i}"], math.sqrt(sum(v for n, v in sq.items() if layer_of(n) == i))) < 1e-5
+
+
+def test_adapter_delta_keeps_precision_for_a_tiny_step(tmp_path):
+    # A step 1e-7 the size of the adapter: expanding ||X1||^2 + ||X0||^2 - 2<X1, X0> would cancel away
+    # most digits even in float64. peft in float64 gives an exact dense reference.
+    model = lora_model().double()
+    randomize_adapters(model, 1)
+    tele = new_telemetry(tmp_path, track_gradients=False)
+    tele.on_batch_end(model, None, 1, 0)
+    before = dense_deltas(model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 3e-8)
+    rec = tele.on_batch_end(model, None, 2, 0)
+    after = dense_deltas(model)
+    ref = math.sqrt(sum(float((after[n] - before[n]).square().sum()) for n in after))
+    assert ref < 1e-6 * rec["lora"]["adapter_norm"]["overall"]
+    assert rel(rec["lora"]["adapter_delta"]["overall"], ref) < 1e-6
+
+
+def test_dora_magnitude_drift_against_kept_copies(tmp_path):
+    model = lora_model(use_dora=True)
+    randomize_adapters(model, 2)
+    mags = {n: p for n, p in model.named_parameters() if "lora_magnitude_vector" in n}
+    assert len(mags) == 6
+    start = {n: p.detach().clone() for n, p in mags.items()}
+    tele = new_telemetry(tmp_path, track_gradients=False)
+    assert tele.on_batch_end(model, None, 1, 0)["lora"]["dora_magnitude_drift"] == 0.0
+    with torch.no_grad():
+        for p in mags.values():
+            p.mul_(1.05).add_(0.01)
+    rec = tele.on_batch_end(model, None, 2, 0)
+    ref = math.sqrt(sum(float((mags[n] - start[n]).double().square().sum()) for n in mags)
+                    / sum(float(start[n].double().square().sum()) for n in mags))
+    assert rel(rec["lora"]["dora_magnitude_drift"], ref) < 1e-5
+    assert rec["weight_delta"].keys() >= {"lora_A", "lora_B", "lora_magnitude"}
+
+
+# ---- training steps -------------------------------------------------------------------------------------
+
+
+def lm_batch(seed, n=4, t=12):
+    ids = torch.randint(0, VOCAB, (n, t), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_first_step_has_zero_A_gradient_without_an_alarm(tmp_path):
+    model = lora_model()  # peft's own init: B = 0, so dLoss/dA = 0 at the first step
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tele = new_telemetry(tmp_path)
+    for step in (1, 2):
+        batch = lm_batch(step)
+        loss = model(**batch).loss
+        loss.backward()
+        a_grads = [p.grad for n, p in model.named_parameters() if ".lora_A." in n]
+        b_grads = [p.grad for n, p in model.named_parameters() if ".lora_B." in n]
+        ref_a = float(torch.nn.utils.get_total_norm(a_grads))
+        ref_b = float(torch.nn.utils.get_total_norm(b_grads))
+        optimizer.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rec = tele.on_batch_end(model, optimizer, step, 0, batch=batch, loss=loss)
+        optimizer.zero_grad()
+        lora = rec["lora"]
+        if step == 1:
+            assert ref_a == 0.0 and lora["grad_norm_A"] == 0.0 and rec["gradient_norm"]["lora_A"] == 0.0
+            assert [str(w.message) for w in caught] == []  # a zero A gradient at step 1 is expected
+            assert not rec.get("alerts")
+        else:
+            assert ref_a > 0 and rel(lora["grad_norm_A"], ref_a) < 1e-5
+        assert ref_b > 0 and rel(lora["grad_norm_B"], ref_b) < 1e-5
+        assert rel(rec["gradient_norm"]["lora_B"], ref_b) < 1e-5
+        assert lora["b_zero_fraction"] == 0.0  # collected after the step: B has moved
+
+
+def test_adapter_left_out_of_the_optimizer_shows_zero_B_and_zero_delta(tmp_path):
+    model = lora_model(modules_to_save=["lm_head"])
+    head = [p for n, p in model.named_parameters() if "modules_to_save" in n]
+    optimizer = torch.optim.AdamW(head, lr=1e-2)  # the adapters were forgotten: trl #3926's symptom
+    tele = new_telemetry(tmp_path)
+    for step in (1, 2, 3):
+        batch = lm_batch(step)
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        rec = tele.on_batch_end(model, optimizer, step, 0, batch=batch, loss=loss)
+        optimizer.zero_grad()
+    lora = rec["lora"]
+    assert lora["b_zero_fraction"] == 1.0
+    assert lora["adapter_norm"]["overall"] == 0.0 and lora["adapter_delta"]["overall"] == 0.0
+    assert lora["grad_norm_B"] > 0  # gradients arrive; nothing applies them
+    assert rec["weight_delta"]["not_in_optimizer"] == 0.0 and rec["weight_delta"]["group_0"] > 0
+    assert rec["gradient_norm"]["not_in_optimizer"] > 0
+
+
+def test_lora_groups_partition_beside_optimizer_groups(tmp_path):
+    model = lora_model(modules_to_save=["lm_head"])
+    named = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    a = [p for n, p in named.items() if ".lora_A." in n]
+    rest = [p for n, p in named.items() if ".lora_A." not in n]
+    head = [p for n, p in named.items() if "modules_to_save" in n]
+    # An optimizer group named like a LoRA group: same members are not repeated, other members are renamed.
+    optimizer = torch.optim.SGD([{"params": a, "lr": 0.1, "name": "lora_A"},
+                                 {"params": rest, "lr": 0.4, "name": "other"}])
+    tele = new_telemetry(tmp_path)
+    for step in (1, 2):
+        batch = lm_batch(step)
+        model(**batch).loss.backward()
+        grads = {n: p.grad.clone() for n, p in named.items()}
+        optimizer.step()
+        rec = tele.on_batch_end(model, optimizer, step, 0)
+        optimizer.zero_grad()
+    norms = rec["gradient_norm"]
+    assert list(norms) == ["overall", "lora_A", "other", "lora_B", "other_lora"]
+
+    def ref(pick):
+        return float(torch.nn.utils.get_total_norm([g for n, g in grads.items() if pick(n)]))
+
+    assert rel(norms["lora_B"], ref(lambda n: ".lora_B." in n)) < 1e-5
+    assert rel(norms["other_lora"], ref(lambda n: "modules_to_save" in n)) < 1e-5
+    assert rel(norms["other"], ref(lambda n: ".lora_A." not in n)) < 1e-5
+    for section in ("gradient_norm", "weight_delta"):  # the LoRA partition's squares add up to overall
+        s = rec[section]
+        assert rel(s["lora_A"] ** 2 + s["lora_B"] ** 2 + s["other_lora"] ** 2, s["overall"] ** 2) < 1e-5
+    assert rec["learning_rates"] == {"overall": 0.4, "lora_A": 0.1, "other": 0.4, "lora_B": 0.4,
+                                     "other_lora": 0.4}
+    info = json.load(open(os.path.join(str(tmp_path), "run.json")))
+    assert info["groups"]["other_lora"]["names"] == [n for n in named if "modules_to_save" in n]
+    assert len(head) == 1
+
+
+def test_lora_section_absent_without_lora_and_off_with_track_lora_false(tmp_path):
+    plain = tiny_llama()
+    assert "lora" not in new_telemetry(tmp_path / "plain", track_gradients=False).on_batch_end(plain, None, 1, 0)
+    rec = new_telemetry(tmp_path / "off", track_lora=False, track_gradients=False).on_batch_end(
+        lora_model(), None, 1, 0)
+    assert "lora" not in rec and list(rec["weight_delta"]) == ["overall", "all"]
+
+
+# ---- language-model holdout and batch stats ---------------------------------------------------------------
+
+
+def test_lm_holdout_matches_hf_loss_and_passes_no_labels(tmp_path):
+    model = lora_model()
+    randomize_adapters(model, 3, scale=0.1)
+    g = torch.Generator().manual_seed(7)
+    lengths = [5, 9, 12, 7, 10, 6]
+    examples = []
+    for t in lengths:
+        ids = torch.randint(0, VOCAB, (t,), generator=g)
+        labels = ids.clone()
+        labels[:2] = -100  # a masked prompt
+        examples.append((ids, labels))
+
+    def pad(group):
+        width = max(len(ids) for ids, _ in group)
+        out = {"input_ids": torch.zeros(len(group), width, dtype=torch.long),
+               "attention_mask": torch.zeros(len(group), width, dtype=torch.long),
+               "labels": torch.full((len(group), width), -100)}
+        for i, (ids, labels) in enumerate(group):
+            out["input_ids"][i, :len(ids)] = ids
+            out["attention_mask"][i, :len(ids)] = 1
+            out["labels"][i, :len(ids)] = labels
+        return out
+
+    token_ids = [3, 17, 99]
+    tele = new_telemetry(tmp_path, holdout_token_ids=token_ids, track_gradients=False)
+    tele.set_holdout_data([pad(examples[:3]), pad(examples[3:])])  # two batches of different widths
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
+    model.train()
+    try:
+        hold = tele.on_batch_end(model, None, 1, 0)["holdout_logits"]
+    finally:
+        hook.remove()
+    assert len(seen) == 2 and all("labels" not in keys for keys in seen)
+    assert model.training  # the holdout put train mode back
+
+    model.eval()
+    with torch.no_grad():
+        for i, (ids, labels) in enumerate(examples):
+            out = model(input_ids=ids[None], labels=labels[None])  # HF's own shifted causal-LM loss
+            assert rel(hold["nll"][i], float(out.loss)) < 1e-5
+            logits, target = out.logits[0, :-1], labels[1:]
+            valid = target != -100
+            acc = float((logits.argmax(-1) == target)[valid].float().mean())
+            assert hold["token_accuracy"][i] == pytest.approx(acc, abs=1e-6)
+            first = int(valid.nonzero()[0])
+            assert hold["token_logits"][i] == pytest.approx(logits[first, token_ids].tolist(), rel=1e-5)
+        everything = model(**pad(examples))  # one padded batch: HF's mean over every supervised token
+    assert rel(hold["loss"], float(everything.loss)) < 1e-5
+    assert hold["tokens"] == [t - 2 for t in lengths] and hold["token_ids"] == token_ids
+
+
+def test_label_share_flags_an_all_masked_batch(tmp_path):
+    model = lora_model()
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    tele = new_telemetry(tmp_path, track_gradients=False)
+    masked = {"input_ids": ids, "attention_mask": mask, "labels": torch.full((2, 6), -100)}
+    stats = tele.on_batch_end(model, None, 1, 0, batch=masked)["batch_stats"]
+    assert stats["label_share"] == 0.0 and stats["tokens"] == 12 and stats["padding_share"] == 0.25
+    half = dict(masked, labels=torch.where(mask.bool(), ids, torch.full_like(ids, -100)))
+    stats = tele.on_batch_end(model, None, 2, 0, batch=half)["batch_stats"]
+    assert stats["label_share"] == pytest.approx(float(np.mean(half["labels"].numpy() != -100)))
+
+
+# ---- HF Trainer: the callback against the Trainer's own logs --------------------------------------------
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """16 tokens an example: 2 prompt tokens masked in the labels, 2 padding tokens at the end."""
+
+    def __init__(self, n=64, seed=1):
+        self.ids = torch.randint(0, VOCAB, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        mask = torch.ones(16, dtype=torch.long)
+        mask[-2:] = 0
+        labels = self.ids[i].masked_fill(mask == 0, -100)
+        labels[:2] = -100
+        return {"input_ids": self.ids[i], "attention_mask": mask, "labels": labels}
+
+
+def run_trainer(tmp_path, model, tele, steps, accumulation=1, logging_steps=1, optimizer=None):
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=steps,
+                             gradient_accumulation_steps=accumulation, logging_steps=logging_steps,
+                             max_grad_norm=1e9, learning_rate=1e-2, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[tele.hf_callback()],
+                      optimizers=(optimizer, None))
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return trainer, {h["step"]: h for h in trainer.state.log_history if "grad_norm" in h}
+
+
+def test_trainer_grad_norm_loss_and_all_lrs_match_the_trainers_log(tmp_path):
+    model = lora_model()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # LoRA+: two groups at different lrs; the Trainer itself logs group 0's only.
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if "lora_A" in n], "name": "A"},
+                                   {"params": [p for n, p in named if "lora_B" in n], "name": "B",
+                                    "lr": 4e-2}], lr=1e-2)
+    hooks = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    tele = new_telemetry(tmp_path / "run")
+    tele.set_holdout_data(lm_batch(99, n=3, t=10))
+    _, logged = run_trainer(tmp_path, model, tele, steps=5, optimizer=optimizer)
+    records = read_records(str(tmp_path / "run"))
+
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] == sorted(logged)
+    errors = []
+    for r in records:
+        log = logged[r["step"]]
+        assert r["trainer"]["grad_norm"] == log["grad_norm"] and r["trainer"]["loss"] == log["loss"]
+        errors.append(rel(r["gradient_norm"]["overall"], log["grad_norm"]))
+        assert rel(r["loss"], log["loss"]) < 1e-5
+        assert rel(r["learning_rates"]["A"], log["learning_rate"]) < 1e-9
+        assert rel(r["learning_rates"]["B"], 4 * log["learning_rate"]) < 1e-9
+        # the training micro-batch, seen by the forward hook (not the 3 x 10 holdout batch)
+        assert r["batch_stats"] == {"batch_size": 4, "tokens": 64, "label_share": 0.75, "padding_share": 0.125}
+        assert r["holdout_logits"]["kind"] == "lm"
+    assert max(errors) < 1e-5
+    first = records[0]["lora"]  # step 1: B = 0, so the whole gradient is B's
+    assert first["grad_norm_A"] == 0.0 and rel(first["grad_norm_B"], logged[1]["grad_norm"]) < 1e-5
+    assert records[-1]["lora"]["adapter_delta"]["overall"] > 0
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks  # removed at train end
+
+
+def test_trainer_counts_optimizer_steps_under_gradient_accumulation(tmp_path):
+    model = lora_model()
+    tele = new_telemetry(tmp_path / "run")
+    trainer, logged = run_trainer(tmp_path, model, tele, steps=4, accumulation=2, logging_steps=2)
+    records = read_records(str(tmp_path / "run"))
+    assert trainer.state.global_step == 4  # 8 micro-batches
+    assert [r["step"] for r in records] == [1, 2, 3, 4] == [r["batch_idx"] for r in records]
+    # The Trainer logs steps 2 and 4: those records carry its grad_norm; 1 and 3 were written without.
+    assert [("trainer" in r) for r in records] == [False, True, False, True]
+    for before, r in zip(records[0::2], records[1::2]):
+        assert rel(r["gradient_norm"]["overall"], logged[r["step"]]["grad_norm"]) < 1e-5
+        assert r["batch_stats"]["batch_size"] == 4  # the step's last micro-batch
+        # each record's loss covers its own 2 micro-batches; the Trainer logs the mean of 2 optimizer steps
+        assert rel((before["loss"] + r["loss"]) / 2, logged[r["step"]]["loss"]) < 1e-5
+
+
+def test_hf_callback_is_one_trainer_callback():
+    tele = TrainingTelemetry(enabled=False)
+    assert isinstance(tele.hf_callback(), transformers.TrainerCallback)
+    assert tele.hf_callback() is tele.hf_callback()
+
+
+def test_telemetry_imports_without_transformers_or_peft():
+    code = "import sys, telemetry; sys.exit(any(m in sys.modules for m in ('transformers', 'peft', 'unsloth')))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# ---- example_train.py ----------------------------------------------------------------------------------
+
+
+def test_example_lora_run_learns_and_records_lora(tmp_path):
+    sys.path.insert(0, ROOT)
+    import example_train
+
+    example_train.train_lora(str(tmp_path), max_steps=40, collect_every_n=10, quiet=True)
+    records = read_records(str(tmp_path))
+    assert [r["step"] for r in records] == [10, 20, 30, 40]
+    assert all(r["trainer"]["grad_norm"] > 0 and r["lora"]["b_zero_fraction"] == 0.0 for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert records[-1]["lora"]["adapter_norm"]["overall"] > records[0]["lora"]["adapter_norm"]["overall"]
+    assert len(records[0]["holdout_logits"]["token_logits"][0]) == 10
+    assert set(records[0]["learning_rates"]) >= {"lora_A", "lora_B", "lm_head"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without a GPU")
+def test_example_unsloth_without_gpu_exits_2_with_a_clear_message(tmp_path):
+    proc = subprocess.run([sys.executable, "example_train.py", "--unsloth", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="unsloth needs a CUDA GPU")
+def test_example_unsloth_run_on_gpu(tmp_path):
+    pytest.importorskip("unsloth")
+    pytest.importorskip("trl")
+    model_dir, out = str(tmp_path / "tiny-llama"), str(tmp_path / "run")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    subprocess.run([sys.executable, "example_train.py", "--save-tiny-llama", model_dir], cwd=ROOT, env=env,
+                   check=True)
+    proc = subprocess.run([sys.executable, "example_train.py", "--unsloth", model_dir, "--out", out,
+                           "--max-steps", "10"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_records(out)
+    assert records and all("lora" in r and "trainer" in r for r in records)
+    for r in records:
+        assert rel(r["gradient_norm"]["overall"], r["trainer"]["grad_norm"]) < 1e-3  # bf16/fp16 on GPU
