@@ -1,0 +1,2066 @@
+#!/usr/bin/env python3
+"""Read a training-telemetry run directory and explain it.
+
+A run directory holds `telemetry.jsonl` (one strict-JSON record per line) and `run.json`, as written
+by telemetry.py (the record format is the contract; this reader does not import telemetry.py).
+
+    python analyze_telemetry.py RUN_DIR                 # summary + findings, PNG plots + report.html
+    python analyze_telemetry.py RUN_A RUN_B             # the same plots overlaid + a side-by-side table
+    python analyze_telemetry.py RUN_DIR --json          # summary and findings as JSON on stdout
+    python analyze_telemetry.py RUN_DIR --check         # exit 1 when a finding is critical (CI smoke test)
+    python analyze_telemetry.py RUN_DIR --csv run.csv   # one flat row per record
+    python analyze_telemetry.py RUN_DIR --watch         # follow a run while it trains (Ctrl-C to stop)
+
+Plots and the report go to RUN_DIR/analysis/ (several runs: FIRST_RUN/analysis/compare/) or --out.
+Pandas users: `from analyze_telemetry import to_dataframe; df = to_dataframe("runs/exp1")`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import csv
+import gc
+import html
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+NOT_IN_OPTIMIZER = "not_in_optimizer"   # telemetry.py's group for trainable tensors outside the optimizer
+SEVERITIES = ("info", "warning", "critical")
+RECORD_FILE = "telemetry.jsonl"
+RUN_FILE = "run.json"
+
+
+# ---- Loading ----------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One run directory as read so far. `offset`/`pending` let --watch read only what was appended."""
+    path: Path
+    name: str
+    meta: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)
+    notices: list = field(default_factory=list)
+    offset: int = 0              # bytes of telemetry.jsonl consumed
+    lines: int = 0               # complete lines consumed
+    pending: bytes = b""         # an incomplete last line, kept until its newline arrives
+    other_schemas: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
+
+
+def _reject_constant(name):
+    # json accepts NaN/Infinity by default; the contract says they never appear, so a line holding
+    # one is malformed rather than silently turning into a float('nan').
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def resolve_run_dir(path) -> Path:
+    """Accept the run directory or the telemetry.jsonl inside it."""
+    p = Path(path)
+    return p.parent if p.name == RECORD_FILE or p.is_file() else p
+
+
+def new_run(path) -> Run:
+    path = resolve_run_dir(path)
+    return Run(path=path, name=path.resolve().name or str(path))
+
+
+def load_run(path, progress: bool = True) -> Run:
+    """Read a whole run directory. Bad lines become notices, never exceptions."""
+    run = new_run(path)
+    records_file = run.path / RECORD_FILE
+    if not records_file.is_file():
+        raise FileNotFoundError(f"no {RECORD_FILE} in {run.path}")
+    read_new_records(run, final=True, progress=progress)
+    return run
+
+
+def read_meta(run: Run) -> None:
+    meta_file = run.path / RUN_FILE
+    if not meta_file.is_file():
+        return
+    try:
+        meta = _DECODER.decode(meta_file.read_text(encoding="utf-8"))
+        run.meta = meta if isinstance(meta, dict) else {}
+    except (ValueError, OSError) as exc:
+        _notice(run, f"{RUN_FILE} unreadable ({exc}); going on without run metadata")
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Millions of small dicts/lists from a big run make the cyclic GC rescan them over and over
+    (records hold no cycles, so it finds nothing); pausing it keeps loading and diagnosis linear."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def read_new_records(run: Run, final: bool, progress: bool = False) -> int:
+    """Append the records written since the last call; returns how many were added.
+
+    final=False (watching) keeps an unterminated last line for later, since the writer may be in the
+    middle of it; final=True treats it as torn if it does not parse.
+    """
+    read_meta(run)
+    records_file = run.path / RECORD_FILE
+    try:
+        size = records_file.stat().st_size
+    except OSError:
+        return 0
+    if size < run.offset:   # the file was replaced: start over
+        run.records, run.offset, run.lines, run.pending, run.cache = [], 0, 0, b"", {}
+        _notice(run, f"{RECORD_FILE} shrank; reading it again from the start")
+    before = len(run.records)
+    started = time.monotonic()
+    with gc_paused():
+        _read_from(run, records_file, size, started, progress)
+    if progress and time.monotonic() - started > 1.0:
+        print(f"\rreading {records_file}: done, {len(run.records):,} records in "
+              f"{time.monotonic() - started:.1f}s", file=sys.stderr)
+    if final and run.pending.strip():
+        line_no = run.lines + 1
+        obj, err = _parse_line(run.pending)
+        if obj is not None:
+            _add_record(run, obj, line_no)
+        else:
+            _notice(run, f"line {line_no}: torn last line (unterminated, {err}); skipped, "
+                         f"{len(run.records)} earlier records kept")
+        run.lines += 1
+        run.pending = b""
+    if final:
+        for schema, count in run.other_schemas.items():
+            _notice(run, f"{count} record(s) have schema {schema!r}; this reader knows schema "
+                         f"{SCHEMA_VERSION} and reads the keys it recognises")
+        run.other_schemas = {}
+    return len(run.records) - before
+
+
+def _read_from(run: Run, records_file: Path, size: int, started: float, progress: bool) -> None:
+    shown = 0.0
+    tty = sys.stderr.isatty()
+    with open(records_file, "rb") as f:
+        f.seek(run.offset)
+        while True:
+            chunk = f.read(4 << 20)
+            if not chunk:
+                break
+            run.offset += len(chunk)
+            _consume(run, chunk)
+            elapsed = time.monotonic() - started
+            # Only talk when it is slow enough for someone to wonder whether it hangs; a log file
+            # (not a terminal) gets a line every few seconds instead of carriage-return updates.
+            if progress and elapsed > 1.0 and elapsed - shown > (0.25 if tty else 3.0):
+                shown = elapsed
+                pct = 100.0 * run.offset / max(size, 1)
+                print(f"\rreading {records_file}: {pct:3.0f}% ({len(run.records):,} records)",
+                      end="" if tty else "\n", file=sys.stderr, flush=True)
+
+
+def _notice(run: Run, text: str) -> None:
+    if text not in run.notices:
+        run.notices.append(text)
+
+
+def _consume(run: Run, chunk: bytes) -> None:
+    lines = (run.pending + chunk).split(b"\n")
+    run.pending = lines.pop()
+    for raw in lines:
+        run.lines += 1
+        if not raw.strip():
+            continue
+        obj, err = _parse_line(raw)
+        if obj is None:
+            _notice(run, f"line {run.lines}: malformed record ({err}); skipped")
+        else:
+            _add_record(run, obj, run.lines)
+
+
+_LOGITS_CHARS = b"0123456789.-+eE[], \tnul"   # numbers, brackets and null; NaN/Infinity fail this
+
+
+def _cut_logits(raw: bytes):
+    """Split the holdout logits matrix off a line: (rest of the line, logits bytes) or (raw, None).
+
+    Decoding thousands of logit floats per record is most of the parse time on big runs, and only the
+    per-example loss check needs them, so they stay bytes until asked for (see holdout_logits_of)."""
+    h = raw.find(b'"holdout_logits"')
+    k = raw.find(b'"logits"', h) if h >= 0 else -1
+    if k < 0 or raw.find(b"}", h, k) >= 0:   # no logits, or they belong to another section
+        return raw, None
+    v = k + 8
+    while raw[v:v + 1] in (b" ", b":"):
+        v += 1
+    if raw[v:v + 2] != b"[[":
+        return raw, None
+    end = raw.find(b"]]", v)
+    if end < 0:
+        return raw, None
+    value = raw[v:end + 2]
+    if value.translate(None, _LOGITS_CHARS):
+        return raw, None   # something unexpected inside: let the strict parser judge the whole line
+    after = end + 2
+    while raw[after:after + 1] == b" ":
+        after += 1
+    if raw[after:after + 1] == b",":
+        return raw[:k] + raw[after + 1:], value
+    before = k
+    while raw[before - 1:before] == b" ":
+        before -= 1
+    if raw[before - 1:before] == b",":
+        return raw[:before - 1] + raw[after:], value
+    return raw, None
+
+
+def holdout_logits_of(h: dict):
+    """The holdout logits matrix of one evaluation as a list of lists, or None."""
+    lg = h.get("logits")
+    if isinstance(lg, bytes):
+        try:
+            lg = _DECODER.decode(lg.decode("ascii"))
+        except (ValueError, UnicodeDecodeError):
+            lg = None
+        h["logits"] = lg
+    return lg if isinstance(lg, list) else None
+
+
+def _parse_line(raw: bytes):
+    rest, logits = _cut_logits(raw)
+    try:
+        obj = _DECODER.decode(rest.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, str(exc).split("\n")[0][:120]
+    if not isinstance(obj, dict):
+        return None, f"a JSON {type(obj).__name__}, not an object"
+    if logits is not None:
+        h = obj.get("holdout_logits")
+        if not isinstance(h, dict) or "logits" in h:
+            return _parse_line_plain(raw)
+        h["logits"] = logits
+    return obj, None
+
+
+def _parse_line_plain(raw: bytes):
+    try:
+        obj = _DECODER.decode(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, str(exc).split("\n")[0][:120]
+    return (obj, None) if isinstance(obj, dict) else (None, f"a JSON {type(obj).__name__}, not an object")
+
+
+def _add_record(run: Run, rec: dict, line_no: int) -> None:
+    schema = rec.get("schema")
+    if schema != SCHEMA_VERSION:
+        run.other_schemas[schema] = run.other_schemas.get(schema, 0) + 1
+    step = rec.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        # Older writers had no global step; number the records so plots still have an x axis.
+        step = (run.records[-1]["step"] + 1) if run.records else 1
+        rec["step"] = step
+    elif run.records and step < run.records[-1]["step"]:
+        _notice(run, f"line {line_no}: step goes back from {run.records[-1]['step']} to {step} "
+                     "(a restart that reset the counter?)")
+    run.records.append(rec)
+
+
+def _get(rec, parts):
+    for p in parts:
+        if not isinstance(rec, dict):
+            return None
+        rec = rec.get(p)
+    return rec
+
+
+def _num(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    return float(v)
+
+
+_PLAIN_NUMBER_TYPES = {float, int, type(None)}
+
+
+def column(run: Run, key) -> np.ndarray:
+    """Values at a dotted path (or a tuple of keys, for keys that hold dots such as layer names), one
+    per record, NaN where absent/null. Cached, and grown incrementally as --watch reads more."""
+    cached = run.cache.get(("col", key))
+    n = len(run.records)
+    if cached is not None and len(cached) == n:
+        return cached
+    start = 0 if cached is None else len(cached)
+    recs = run.records[start:]
+    parts = list(key) if isinstance(key, tuple) else key.split(".")
+    # The one- and two-level paths cover nearly every lookup; spelled out they are several times faster.
+    if len(parts) == 1:
+        vals = [r.get(key) for r in recs]
+    elif len(parts) == 2:
+        a, b = parts
+        vals = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
+    elif len(parts) == 3:
+        a, b, c = parts
+        vals = [e.get(c) if isinstance(d := r.get(a), dict) and isinstance(e := d.get(b), dict) else None
+                for r in recs]
+    else:
+        vals = [_get(r, parts) for r in recs]
+    try:
+        if not set(map(type, vals)) <= _PLAIN_NUMBER_TYPES:
+            raise TypeError
+        new = np.array(vals, dtype=float).reshape(len(vals))   # None -> nan
+    except (TypeError, ValueError):
+        new = np.fromiter((_num(v) for v in vals), dtype=float, count=len(vals))
+    arr = new if cached is None else np.concatenate([cached, new])
+    run.cache[("col", key)] = arr
+    return arr
+
+
+def present(run: Run, section: str) -> np.ndarray:
+    """Boolean mask of records that hold `section` as a dict."""
+    cached = run.cache.get(("present", section))
+    if cached is not None and len(cached) == len(run.records):
+        return cached
+    start = 0 if cached is None else len(cached)
+    new = np.array([isinstance(r.get(section), dict) for r in run.records[start:]], dtype=bool)
+    arr = new if cached is None else np.concatenate([cached, new])
+    run.cache[("present", section)] = arr
+    return arr
+
+
+def nonfinite_at(run: Run, path: str) -> np.ndarray:
+    """Boolean mask of records whose `nonfinite` list names `path` (the value is NaN/Inf, not absent)."""
+    cached = run.cache.get("nonfinite")
+    if cached is None or cached[0] != len(run.records):
+        index = {}
+        for i, r in enumerate(run.records):
+            nf = r.get("nonfinite")
+            if isinstance(nf, list):
+                for p in nf:
+                    index.setdefault(str(p), []).append(i)
+        cached = (len(run.records), index)
+        run.cache["nonfinite"] = cached
+    mask = np.zeros(len(run.records), dtype=bool)
+    mask[cached[1].get(path, [])] = True
+    return mask
+
+
+def steps(run: Run) -> np.ndarray:
+    return column(run, "step")
+
+
+def section_keys(run: Run, section: str, skip_overall: bool = True) -> list:
+    """Keys seen in a dict section across records, in first-seen order ('overall' left out)."""
+    key = ("keys", section)
+    cached = run.cache.get(key)
+    if cached is not None and cached[0] == len(run.records):
+        return [k for k in cached[1] if not (skip_overall and k == "overall")]
+    seen = dict.fromkeys(cached[1]) if cached else {}
+    parts = section.split(".")
+    recs = run.records[cached[0] if cached else 0:]
+    if len(parts) == 1:
+        dicts = [r.get(section) for r in recs]
+    elif len(parts) == 2:
+        a, b = parts
+        dicts = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
+    else:
+        dicts = [_get(r, parts) for r in recs]
+    # Records mostly share one key layout: collect the distinct layouts (in first-seen order) and
+    # merge those, instead of visiting every key of every record.
+    for layout in dict.fromkeys(tuple(d) for d in dicts if type(d) is dict):
+        seen.update(dict.fromkeys(layout))
+    run.cache[key] = (len(run.records), list(seen))
+    return [k for k in seen if not (skip_overall and k == "overall")]
+
+
+def has_values(run: Run, key: str) -> bool:
+    return bool(np.isfinite(column(run, key)).any())
+
+
+def holdout_data(run: Run):
+    """Holdout evaluations as arrays, or None. `correct` is examples x collections (bool) for
+    classification; for language models it holds per-example token accuracy."""
+    cached = run.cache.get("holdout")
+    if cached is not None and cached[0] == len(run.records):
+        return cached[1]
+    rows = [(r["step"], h) for r in run.records if isinstance(h := r.get("holdout_logits"), dict)]
+    data = None
+    if rows:
+        kinds = [h.get("kind") or ("lm" if "nll" in h else "classification") for _, h in rows]
+        kind = max(set(kinds), key=kinds.count)
+        rows = [row for row, k in zip(rows, kinds) if k == kind]
+        # One array conversion for all evaluations, not one per record: this is the slow part on big runs.
+        if kind == "classification":
+            pairs = [(h.get("labels"), h.get("predictions")) for _, h in rows]
+            sizes = [len(a) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else 0
+                     for a, b in pairs]
+        else:
+            toks = [h.get("token_accuracy") for _, h in rows]
+            sizes = [len(t) if isinstance(t, list) else 0 for t in toks]
+        nonzero = [k for k in sizes if k]
+        n = max(set(nonzero), key=nonzero.count) if nonzero else 0
+        keep = [i for i, k in enumerate(sizes) if n and k == n]
+        correct = None
+        if keep:
+            try:
+                if kind == "classification":
+                    correct = (np.array([pairs[i][0] for i in keep]) == np.array([pairs[i][1] for i in keep])).T
+                else:
+                    correct = np.array([[_num(v) for v in toks[i]] for i in keep]).T
+            except (ValueError, TypeError):
+                keep, correct = [], None
+        labels = None
+        num_classes = None
+        if kind == "classification":
+            for _, h in reversed(rows):
+                nc = h.get("num_classes")
+                lg = holdout_logits_of(h) if not isinstance(nc, int) else None
+                if isinstance(nc, int) and nc >= 2:
+                    num_classes = nc
+                elif isinstance(lg, list) and lg and isinstance(lg[0], list) and len(lg[0]) >= 2:
+                    num_classes = len(lg[0])
+                if num_classes:
+                    break
+            if keep:
+                lab = rows[keep[-1]][1].get("labels")
+                labels = np.array(lab) if lab else None
+                if num_classes is None and labels is not None:
+                    preds = rows[keep[-1]][1].get("predictions") or []
+                    num_classes = max(2, int(max(list(lab) + list(preds))) + 1)
+        data = {
+            "kind": kind,
+            "steps": np.array([s for s, _ in rows], dtype=float),
+            "accuracy": np.array([_num(h.get("accuracy")) for _, h in rows]),
+            "loss": np.array([_num(h.get("loss")) for _, h in rows]),
+            "n": n or _get(run.meta, ["holdout", "examples"]) or 0,
+            "num_classes": num_classes,
+            "labels": labels,
+            "matrix_steps": np.array([rows[i][0] for i in keep], dtype=float),
+            "correct": correct,
+            "predictions_last": [rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
+            "raw": [h for _, h in rows],
+        }
+    run.cache["holdout"] = (len(run.records), data)
+    return data
+
+
+def train_accuracy_key(run: Run):
+    """The user scalar that holds train accuracy, if the training loop passed one."""
+    for key in ("train_acc", "train_accuracy", "accuracy", "acc"):
+        if any(isinstance(r.get(key), (int, float)) for r in run.records[:50] + run.records[-50:]):
+            return key
+    return None
+
+
+def flat_record(rec: dict, prefix: str = "", out: dict = None) -> dict:
+    """Nested sections become dotted columns; lists (logits, labels, alerts...) are left out."""
+    out = {} if out is None else out
+    for k, v in rec.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat_record(v, key + ".", out)
+        elif not isinstance(v, (list, bytes)):   # bytes: holdout logits not yet decoded (a list too)
+            out[key] = v
+    return out
+
+
+def flat_rows(run: Run):
+    """(columns, rows) for CSV/pandas: one dict per record, columns in first-seen order."""
+    rows = [flat_record(r) for r in run.records]
+    lead = ["schema", "step", "batch_idx", "epoch", "timestamp", "loss"]
+    seen = dict.fromkeys(lead)
+    for row in rows:
+        seen.update(dict.fromkeys(row))
+    return list(seen), rows
+
+
+def to_dataframe(run_dir):
+    """The run as a pandas DataFrame, one row per record (pandas is only needed for this helper)."""
+    import pandas as pd
+    columns, rows = flat_rows(load_run(run_dir, progress=False))
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---- Diagnosis --------------------------------------------------------------------------------------
+
+@dataclass
+class Finding:
+    code: str
+    severity: str          # info | warning | critical
+    message: str           # plain words, with the numbers that triggered it
+    steps: list            # where (record steps)
+    hint: str              # what to try
+    group: str = None
+    source: str = "analyzer"   # or "telemetry" for alerts the writer raised itself
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    return x[np.isfinite(x)]
+
+
+def _edge_median(x: np.ndarray, which: str, frac: float = 0.2, min_n: int = 3) -> float:
+    x = _finite(x)
+    if not len(x):
+        return math.nan
+    k = min(len(x), max(min_n, int(math.ceil(frac * len(x)))))
+    return float(np.median(x[:k] if which == "first" else x[-k:]))
+
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return f"{int(v):,}"
+    v = float(v)
+    if v == 0:
+        return "0"
+    if abs(v) >= 1e4 or abs(v) < 1e-3:
+        return f"{v:.{max(digits - 1, 1)}e}"
+    return f"{v:.{digits}g}"
+
+
+def _steps_list(s, limit: int = 10) -> list:
+    out = []
+    for v in s:
+        v = int(v)
+        if v not in out:
+            out.append(v)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _prev_window_stats(x: np.ndarray, window: int, min_hist: int, with_mad: bool = True):
+    """Median and MAD of the `window` values before each point (NaN until min_hist values exist)."""
+    n = len(x)
+    med = np.full(n, np.nan)
+    mad = np.full(n, np.nan)
+    for i in range(min_hist, min(window, n)):
+        h = x[:i]
+        med[i] = np.median(h)
+        mad[i] = np.median(np.abs(h - med[i])) if with_mad else np.nan
+    if n > window:
+        win = np.lib.stride_tricks.sliding_window_view(x[:-1], window)   # win[j] = x[j:j+window]
+        m = np.median(win, axis=1)
+        med[window:] = m
+        if with_mad:
+            mad[window:] = np.median(np.abs(win - m[:, None]), axis=1)
+    return med, mad
+
+
+def _groups(run: Run, section: str) -> list:
+    return section_keys(run, section)
+
+
+def _lr_zero_groups(run: Run) -> dict:
+    """{group: (zero_count, considered, first_step)} for groups at LR 0 while another group trains."""
+    # "not_in_optimizer" holds trainable tensors no optimizer group has: its LR means nothing
+    # (frozen_group reports those tensors when they do not move).
+    groups = [g for g in _groups(run, "learning_rates") if g != NOT_IN_OPTIMIZER]
+    if len(groups) < 2:
+        return {}
+    lrs = np.vstack([column(run, ("learning_rates", g)) for g in groups])
+    st = steps(run)
+    out = {}
+    for i, g in enumerate(groups):
+        others = np.delete(lrs, i, axis=0)
+        others_train = np.nanmax(np.where(np.isfinite(others), others, -1), axis=0) > 0
+        mask = others_train & np.isfinite(lrs[i])
+        zero = mask & (lrs[i] == 0)
+        # Most of the run, or the latest 3 collections: --watch should see it while it is happening.
+        ongoing = mask.sum() >= 3 and zero[mask][-3:].all()
+        if zero.sum() >= 1 and (zero.sum() >= 0.5 * mask.sum() or ongoing):
+            out[g] = (int(zero.sum()), int(mask.sum()), int(st[zero][0]))
+    return out
+
+
+def check_nonfinite(run: Run) -> list:
+    first, counts, affected = {}, {}, 0
+    for r in run.records:
+        paths = r.get("nonfinite") if isinstance(r.get("nonfinite"), list) else []
+        params = r.get("nonfinite_params") if isinstance(r.get("nonfinite_params"), list) else []
+        paths = [str(p) for p in paths] + [f"parameter {p}" for p in params]
+        if paths:
+            affected += 1
+        for p in paths:
+            first.setdefault(p, r["step"])
+            counts[p] = counts.get(p, 0) + 1
+    if not first:
+        return []
+    order = sorted(first, key=lambda p: (first[p], p))
+    head = order[0]
+    parts = head.replace("[", ".").split(".")
+    group = parts[1] if len(parts) > 1 and not head.startswith("parameter ") else None
+    others = ", ".join(f"{p} (step {first[p]})" for p in order[1:6])
+    more = f" and {len(order) - 6} more" if len(order) > 6 else ""
+    msg = (f"NaN/Inf first at step {first[head]} in {head}"
+           + (f"; also {others}{more}" if others else "")
+           + f". {affected} of {len(run.records)} records hold non-finite values.")
+    return [Finding("nonfinite", "critical", msg, _steps_list(first[p] for p in order), group=group,
+                    hint="Lower the learning rate or warm it up, clip gradients (clip_grad_norm_), check the "
+                         "inputs/labels of the first bad batch, and with fp16 use a GradScaler (or bf16).")]
+
+
+def check_missing_gradients(run: Run) -> list:
+    has = present(run, "gradient_norm")
+    considered = int(has.sum())
+    if not considered:
+        return []
+    null = has & np.isnan(column(run, "gradient_norm.overall")) & ~nonfinite_at(run, "gradient_norm.overall")
+    for g in _groups(run, "gradient_norm"):
+        null &= np.isnan(column(run, ("gradient_norm", g)))
+    missing = [int(v) for v in steps(run)[null]]
+    if not missing:
+        return []
+    share = len(missing) / considered
+    return [Finding(
+        "missing_gradients", "critical" if share >= 0.5 else "warning",
+        f"gradient_norm was null (no parameter had a .grad) in {len(missing)} of {considered} collections, "
+        f"first at step {missing[0]}: the gradients were already cleared when telemetry looked.",
+        _steps_list(missing),
+        hint="Call on_batch_end before zero_grad: backward -> step -> on_batch_end -> zero_grad (or move "
+             "optimizer.zero_grad() to the start of the loop); zero_grad(set_to_none=True) deletes .grad.")]
+
+
+def check_lr_zero(run: Run) -> list:
+    findings = []
+    for g, (zero, considered, first) in _lr_zero_groups(run).items():
+        wd = column(run, ("weight_delta", g))
+        still = _finite(wd)
+        moved = f" Its weight delta stayed {_fmt(float(np.max(still)))} at most." if len(still) else ""
+        findings.append(Finding(
+            "lr_zero", "critical",
+            f"group '{g}' has learning rate 0 in {zero} of {considered} collections while other groups "
+            f"train (first at step {first}).{moved}",
+            [first], group=g,
+            hint="Check that group's lr in the optimizer param groups and the scheduler (a LambdaLR factor of 0, "
+                 "a warmup that never ends); if it is meant to be frozen, set requires_grad=False instead."))
+    lr = column(run, "learning_rates.overall")
+    if not has_values(run, "learning_rates.overall") and _groups(run, "learning_rates"):
+        lr = np.nanmax(np.vstack([column(run, ("learning_rates", g))
+                                  for g in _groups(run, "learning_rates")]), axis=0)
+    later = _finite(lr[1:])
+    if len(later) >= 2 and np.all(later == 0):
+        findings.append(Finding(
+            "lr_zero", "critical",
+            f"the learning rate is 0 for every group in all {len(later)} collections after the first.",
+            _steps_list(steps(run)[1:2]),
+            hint="Check the optimizer's lr and the scheduler (a warmup or LambdaLR that returns 0)."))
+    return findings
+
+
+def check_frozen_groups(run: Run) -> list:
+    groups = list(dict.fromkeys(_groups(run, "gradient_norm") + _groups(run, "weight_delta")
+                                + list((run.meta.get("groups") or {}) if isinstance(run.meta.get("groups"), dict)
+                                       else [])))
+    if len(groups) < 2:
+        return []
+    lr_zero = _lr_zero_groups(run)
+    findings = []
+    st = steps(run)
+    later = np.arange(len(run.records)) >= 1   # the first collection: no weight reference; LoRA A starts at 0
+    for g in groups:
+        if g in lr_zero:
+            continue   # lr_zero already explains why it does not move
+        evidence, where = [], []
+        for section, absent_counts in (("gradient_norm", True), ("weight_delta", False)):
+            others = [column(run, (section, k)) for k in _groups(run, section) if k != g]
+            if not others:
+                continue
+            with np.errstate(invalid="ignore"):
+                others_move = np.any(np.vstack(others) > 0, axis=0)   # nobody moving is not this group's problem
+            v = column(run, (section, g))
+            mask = later & present(run, section) & others_move & ~nonfinite_at(run, f"{section}.{g}")
+            if not absent_counts:
+                mask &= ~np.isnan(v)
+            zero = mask & (np.isnan(v) | (v == 0))
+            considered, nzero = int(mask.sum()), int(zero.sum())
+            if considered >= 2 and nzero >= 0.8 * considered:
+                what = "gradient was 0 or absent" if section == "gradient_norm" else "weight delta was 0"
+                evidence.append(f"its {what} in {nzero} of {considered} collections")
+                where.append(int(st[zero][0]))
+        if evidence and g == NOT_IN_OPTIMIZER:
+            findings.append(Finding(
+                "frozen_group", "warning",
+                "some parameters have requires_grad=True but are in no optimizer param group, so they never "
+                "change: " + " and ".join(evidence) + ".", sorted(where), group=g,
+                hint="If they should train, add them to the optimizer; if not, set requires_grad=False (saves "
+                     "their gradient memory and time)."))
+        elif evidence:
+            findings.append(Finding(
+                "frozen_group", "critical",
+                f"group '{g}' does not train while the other groups do: " + " and ".join(evidence) + ".",
+                sorted(where), group=g,
+                hint="Check requires_grad on that group's parameters, that they are in the optimizer, and that "
+                     "forward uses them without detach()/torch.no_grad(); after a blow-up, dead ReLUs also give "
+                     "zero gradients."))
+    return findings
+
+
+def _weights_barely_move(run: Run):
+    """(True/False/None, explanation): are the weights essentially still? None = cannot tell."""
+    ur = _finite(column(run, "update_ratio.overall")[1:])
+    if len(ur) >= 3:
+        med = float(np.median(ur))
+        return med < 1e-5, f"median update ratio ||dW||/||W|| {_fmt(med)}"
+    wd = column(run, "weight_delta.overall")[1:]
+    wn = column(run, "weight_norm.overall")[1:]
+    rel = _finite(wd / wn)
+    if len(rel) >= 3:
+        med = float(np.median(rel))
+        return med < 1e-5, f"median relative weight change {_fmt(med)}"
+    wd = _finite(wd)
+    if len(wd) >= 2 and np.all(wd == 0):
+        return True, "no weight changed at all"
+    trainable = _get(run.meta, ["parameters", "trainable"])
+    if len(wd) >= 3 and isinstance(trainable, int) and trainable > 0:
+        rms = float(np.median(wd)) / math.sqrt(trainable)
+        return rms < 1e-7, f"median RMS change per weight {_fmt(rms)}"
+    return None, ""
+
+
+def check_not_learning(run: Run) -> list:
+    moving_still, why = _weights_barely_move(run)
+    wd = _finite(column(run, "weight_delta.overall")[1:])
+    if len(wd) >= 2 and np.all(wd == 0):
+        return [Finding("not_learning", "critical",
+                        f"no weight changed in any of the {len(wd)} collections after the first.",
+                        _steps_list(steps(run)[1:2]),
+                        hint="Check that optimizer.step() is called, the learning rate is > 0 and the "
+                             "optimizer holds the model's parameters.")]
+    loss = _finite(column(run, "loss"))
+    if len(loss) < 6:
+        return []
+    first, last = _edge_median(loss, "first"), _edge_median(loss, "last")
+    if not (abs(first) > 1e-6):
+        return []
+    drop = (first - last) / abs(first)
+    if drop >= 0.02:
+        return []
+    flat = f"train loss is flat: median {_fmt(first)} in the first fifth and {_fmt(last)} in the last ({drop:+.1%})"
+    hint = ("Raise the learning rate (try 3-10x), check the loss is computed on the model output with the right "
+            "labels, and that optimizer.step() runs on these parameters.")
+    where = _steps_list([steps(run)[0], steps(run)[-1]])
+    if moving_still:
+        return [Finding("not_learning", "critical", f"{flat}, and the weights barely move ({why}).", where,
+                        hint=hint)]
+    if moving_still is None:
+        return [Finding("not_learning", "warning", f"{flat}; no weight-change data to tell whether weights move.",
+                        where, hint=hint)]
+    return [Finding("not_learning", "info", f"{flat}, although the weights move ({why}).", where,
+                    hint="If the loss should still fall: check labels/targets and the loss function; a converged "
+                         "fine-tune can look like this too.")]
+
+
+def _grad_series(run: Run):
+    g = column(run, "gradient_norm.overall")
+    if not has_values(run, "gradient_norm.overall"):
+        groups = _groups(run, "gradient_norm")
+        if not groups:
+            return None, None
+        stack = np.vstack([column(run, ("gradient_norm", k)) for k in groups])
+        with np.errstate(invalid="ignore"):
+            g = np.sqrt(np.nansum(stack ** 2, axis=0))
+        g[np.all(~np.isfinite(stack), axis=0)] = np.nan
+    ok = np.isfinite(g) & (g > 0)
+    return steps(run)[ok], g[ok]
+
+
+def check_gradients(run: Run) -> list:
+    findings = []
+    st, g = _grad_series(run)
+    if g is not None and len(g) >= 6:
+        head, tail = _edge_median(g, "first"), _edge_median(g, "last")
+        growth = tail / head
+        parts, where = [], []
+        if growth >= 10:
+            k = max(3, int(math.ceil(0.2 * len(g))))
+            parts.append(f"the gradient norm grew {growth:.0f}x, from median {_fmt(head)} in the first fifth of "
+                         f"the run to {_fmt(tail)} in the last")
+            where.append(int(st[-k]))
+        med, _ = _prev_window_stats(g, 20, 5, with_mad=False)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = g / med
+        # Near convergence the norm can wobble 100x around ~0; only jumps that matter on the run's
+        # starting scale count.
+        spikes = np.where((ratio >= 20) & (g >= 0.1 * head))[0]
+        if len(spikes):
+            worst = spikes[np.argmax(ratio[spikes])]
+            parts.append(f"{len(spikes)} collection(s) jumped to >= 20x the running median, worst "
+                         f"{_fmt(g[worst])} ({ratio[worst]:.0f}x) at step {int(st[worst])}")
+            where += [int(st[i]) for i in spikes]
+        # A blow-up before the first collection shows as a loss far above the chance level log(C)
+        # together with gradients far above the rest of the run.
+        h = holdout_data(run)
+        if h and h["kind"] == "classification" and h["num_classes"]:
+            chance_loss = math.log(h["num_classes"])
+            loss_all = column(run, "loss")
+            g_all = column(run, "gradient_norm.overall")
+            if not has_values(run, "gradient_norm.overall"):
+                g_all = np.full(len(loss_all), np.nan)
+                g_all[np.isin(steps(run), st)] = g
+            with np.errstate(invalid="ignore"):
+                blown = np.where((loss_all > 10 * chance_loss) & (g_all > 10 * float(np.median(g))))[0]
+            if len(blown):
+                i = blown[np.argmax(loss_all[blown])]
+                parts.append(f"the train loss reached {_fmt(loss_all[i])} at step {int(steps(run)[i])}, over 10x the "
+                             f"chance level {chance_loss:.3f}, with gradient norm {_fmt(g_all[i])} "
+                             f"({g_all[i] / np.median(g):,.0f}x the run's median)")
+                where += [int(steps(run)[j]) for j in blown]
+        if parts:
+            findings.append(Finding(
+                "exploding_gradients", "warning", "; ".join(parts) + ".", _steps_list(sorted(where)),
+                hint="Lower the learning rate, add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, and "
+                     "check for unnormalised inputs or a loss that can blow up."))
+        loss = _finite(column(run, "loss"))
+        loss_converged = len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
+        if growth <= 1e-3 and not loss_converged:
+            findings.append(Finding(
+                "vanishing_gradients", "warning",
+                f"the gradient norm shrank {1 / growth:,.0f}x, from median {_fmt(head)} to {_fmt(tail)}, "
+                "while the loss did not converge.",
+                _steps_list([st[0], st[-1]]),
+                hint="Check saturating activations, too-deep plain stacks (add residuals/normalisation), an "
+                     "initialisation that is too small, or a learning-rate schedule that decays to ~0."))
+    layers = section_keys(run, "layer_stats", skip_overall=False)
+    if len(layers) >= 2:
+        meds = {}
+        for k in layers:
+            v = _finite(column(run, ("layer_stats", k, "grad_norm"))[1:])
+            v = v[v > 0]
+            if len(v):
+                meds[k] = float(np.median(v))
+        if meds:
+            top = max(meds.values())
+            tiny = sorted((k for k, v in meds.items() if v < 1e-5 * top), key=meds.get)
+            if tiny:
+                findings.append(Finding(
+                    "vanishing_gradients", "warning",
+                    f"{len(tiny)} layer(s) get gradients below 1e-5 of the largest layer's ({_fmt(top)}): "
+                    + ", ".join(f"{k} ({_fmt(meds[k])})" for k in tiny[:5]) + ("..." if len(tiny) > 5 else "") + ".",
+                    _steps_list(steps(run)[1:2]), group=tiny[0],
+                    hint="Early layers starving: add residual connections or normalisation, check activations "
+                         "and initialisation, or give those layers a larger learning rate."))
+    return findings
+
+
+def check_loss_spikes(run: Run) -> list:
+    loss = column(run, "loss")
+    ok = np.isfinite(loss)
+    x, st = loss[ok], steps(run)[ok]
+    if len(x) < 12:
+        return []
+    # Batch losses vary multiplicatively (late in training one hard example moves a batch's loss 10x),
+    # so judge jumps on a log scale when the loss is positive, against the previous 50 batches.
+    positive = bool(np.all(x > 0))
+    y = np.log(x) if positive else x
+    med, _ = _prev_window_stats(y, 50, 10, with_mad=False)
+    # The noise scale comes from batch-to-batch differences, so a falling loss (a trend) does not pass
+    # for noise and hide a spike: MAD of successive differences / sqrt(2).
+    _, dmad = _prev_window_stats(np.diff(y), 50, 9)
+    noise = np.concatenate([[np.nan], 1.4826 * dmad / math.sqrt(2)])
+    sigma = np.maximum(noise, 0.01 if positive else 1e-3 * np.abs(med))
+    recent = np.exp(med) if positive else med
+    scale = abs(float(np.median(x[:10])))
+    with np.errstate(invalid="ignore"):
+        # far outside the recent noise, at least double the recent level, and visible on the run's scale
+        spike = ((y - med) > (6 if positive else 8) * sigma) & (x > 2 * np.abs(recent)) \
+            & (x - recent > 0.05 * scale)
+    idx = np.where(spike)[0]
+    if not len(idx):
+        return []
+    events = [idx[0]] + [b for a, b in zip(idx[:-1], idx[1:]) if b > a + 1]
+    worst = idx[np.argmax(x[idx] / np.maximum(np.abs(recent[idx]), 1e-12))]
+    return [Finding(
+        "loss_spike", "warning",
+        f"{len(events)} loss spike(s) (more than {'6 robust sigmas of log-loss' if positive else '8 robust sigmas'} "
+        f"above the median of the previous 50 batches, and over twice that median); worst at step "
+        f"{int(st[worst])}: {_fmt(x[worst])} vs recent median {_fmt(recent[worst])}.",
+        _steps_list(st[events]),
+        hint="Look at the batches at those steps (bad/outlier data, wrong labels); lower the learning rate or "
+             "clip gradients if spikes come with gradient jumps.")]
+
+
+def _sigma(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 1e-6) / max(n, 1))
+
+
+def check_holdout_at_chance(run: Run) -> list:
+    h = holdout_data(run)
+    if not h or h["kind"] != "classification" or not h["num_classes"]:
+        return []
+    ok = np.isfinite(h["accuracy"])
+    acc, st = h["accuracy"][ok], h["steps"][ok]
+    if len(acc) < 5:
+        return []
+    late = st >= st[0] + 0.75 * (st[-1] - st[0])
+    late[-2:] = True
+    late_acc = float(np.median(acc[late]))
+    chance = 1.0 / h["num_classes"]
+    n = int(h["n"] or 0) or 50
+    band = 2 * _sigma(chance, n)
+    single = [p for p in h["predictions_last"] if isinstance(p, list) and p]
+    one_class = len(single) >= 2 and all(len(set(p)) == 1 for p in single) and len({p[0] for p in single}) == 1
+    if abs(late_acc - chance) <= band:
+        why = (f"holdout accuracy is {late_acc:.3f} over the last quarter of the run (steps {int(st[late][0])}-"
+               f"{int(st[-1])}), within the noise band of chance {chance:.3f} +/- {band:.3f} "
+               f"(2 binomial sigmas for {n} examples, {h['num_classes']} classes)")
+    elif one_class:
+        why = (f"the model predicts class {single[-1][0]} for every holdout example in the last collections "
+               f"(accuracy {late_acc:.3f} is just that class's share)")
+    else:
+        return []
+    train_key = train_accuracy_key(run)
+    extra = ""
+    if train_key:
+        tacc = _edge_median(column(run, train_key), "last")
+        if math.isfinite(tacc):
+            extra = f"; train accuracy meanwhile is {tacc:.3f}"
+    return [Finding(
+        "holdout_at_chance", "critical", why + extra + ".", _steps_list([st[late][0], st[-1]]),
+        hint="If train accuracy is high this is memorisation: more data, augmentation, regularisation. If both are "
+             "at chance: check labels line up with inputs, the learning rate, and that the holdout comes from the "
+             "same distribution.")]
+
+
+def _train_improved(run: Run, since_step: float):
+    """(improved?, description) of train loss/accuracy from since_step to the end."""
+    st = steps(run)
+    after = st >= since_step
+    loss = column(run, "loss")[after]
+    loss = _finite(loss)
+    if len(loss) >= 4:
+        a, b = _edge_median(loss, "first", 0.25, 2), _edge_median(loss, "last", 0.25, 2)
+        if a - b >= 0.1 * abs(a):
+            return True, f"train loss fell from {_fmt(a)} to {_fmt(b)}"
+    key = train_accuracy_key(run)
+    if key:
+        acc = _finite(column(run, key)[after])
+        if len(acc) >= 4:
+            a, b = _edge_median(acc, "first", 0.25, 2), _edge_median(acc, "last", 0.25, 2)
+            if b - a >= 0.03:
+                return True, f"train accuracy rose from {a:.3f} to {b:.3f}"
+    return False, ""
+
+
+def _smooth3(x: np.ndarray) -> np.ndarray:
+    if len(x) < 3:
+        return x.copy()
+    padded = np.concatenate([x[:1], x, x[-1:]])
+    return np.median(np.lib.stride_tricks.sliding_window_view(padded, 3), axis=1)
+
+
+def _example_losses(h: dict):
+    """Per-example holdout loss of one evaluation (from logits or LM nll), or None."""
+    if isinstance(h.get("nll"), list):
+        return np.array([_num(v) for v in h["nll"]])
+    logits, labels = holdout_logits_of(h), h.get("labels")
+    if not (isinstance(logits, list) and isinstance(labels, list) and logits and len(logits) == len(labels)):
+        return None
+    try:
+        z = np.array(logits, dtype=float)
+        y = np.array(labels, dtype=int)
+        z = z - z.max(axis=1, keepdims=True)
+        return -(z[np.arange(len(y)), y] - np.log(np.exp(z).sum(axis=1)))
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
+def _paired_rise_t(h: dict, best: int, ok_idx: np.ndarray):
+    """t statistic of the per-example holdout-loss rise from around `best` to the last collections.
+
+    The holdout is the same examples every time, so a paired test tells a rise carried by many
+    examples (overfitting) from one carried by two or three borderline examples (noise)."""
+    raw = [h["raw"][i] for i in ok_idx]
+    base = [_example_losses(r) for r in raw[max(0, best - 1): best + 2]]
+    end = [_example_losses(r) for r in raw[-3:]]
+    arrays = [a for a in base + end if a is not None]
+    if not base or not end or any(a is None for a in base + end) or len({len(a) for a in arrays}) != 1:
+        return None
+    d = np.mean(end, axis=0) - np.mean(base, axis=0)
+    d = d[np.isfinite(d)]
+    if len(d) < 5:
+        return None
+    sd = float(np.std(d, ddof=1))
+    return math.inf if sd == 0 and d.mean() > 0 else (float(d.mean()) / (sd / math.sqrt(len(d))) if sd else 0.0)
+
+
+def check_overfitting(run: Run) -> list:
+    h = holdout_data(run)
+    if not h:
+        return []
+    n = int(h["n"] or 0) or 50
+    key = train_accuracy_key(run)
+    span_start, span_end = h["steps"][0], h["steps"][-1]
+    span = max(span_end - span_start, 1)
+    # A meaningful generalisation gap, when train accuracy is known; a 50-example holdout wobbles by
+    # several points, so the gap must clear both 15 points and the holdout's binomial noise.
+    gap_ok, gap_text = None, ""
+    acc_ok = np.isfinite(h["accuracy"])
+    if key and acc_ok.sum() >= 3:
+        hold_end = float(np.median(h["accuracy"][acc_ok][-3:]))
+        gap = _edge_median(column(run, key), "last") - hold_end
+        gap_ok = gap >= max(0.15, 2 * _sigma(hold_end, n))
+        gap_text = f"; train accuracy {_edge_median(column(run, key), 'last'):.3f} vs holdout {hold_end:.3f}"
+    reasons, where = [], []
+    for metric, sign in (("loss", 1), ("accuracy", -1)):
+        ok = np.isfinite(h[metric])
+        x, st = h[metric][ok], h["steps"][ok]
+        if len(x) < 5:
+            continue
+        sm = _smooth3(x)
+        b = int(np.argmin(sm * sign))
+        best, end = float(sm[b]), float(np.median(x[-3:]))
+        if st[-1] - st[b] < 0.2 * span:
+            continue
+        if metric == "loss":
+            worse = end - best > max(0.1 * abs(best), 1e-3)
+            if worse and gap_ok is None:
+                t = _paired_rise_t(h, b, np.where(ok)[0])
+                worse = t >= 2 if t is not None else end - best > 0.25 * abs(best)
+            change = f"holdout loss rose from its best {_fmt(best)} at step {int(st[b])} to {_fmt(end)}"
+        else:
+            worse = best - end >= max(0.05, 2 * _sigma(best, n))
+            change = f"holdout accuracy fell from its best {best:.3f} at step {int(st[b])} to {end:.3f}"
+        if worse and gap_ok is not False:
+            improved, how = _train_improved(run, st[b])
+            if improved:
+                reasons.append(f"{change} while {how}")
+                where += [int(st[b]), int(st[-1])]
+    if key and acc_ok.sum() >= 5 and not reasons and gap_ok:
+        hacc, hst = h["accuracy"][acc_ok], h["steps"][acc_ok]
+        half = hst >= span_start + 0.5 * span
+        tacc = column(run, key)
+        thalf = steps(run) >= span_start + 0.5 * span
+        t_gain = _edge_median(tacc[thalf], "last", 0.25, 2) - _edge_median(tacc[thalf], "first", 0.25, 2)
+        h_gain = _edge_median(hacc[half], "last", 0.25, 2) - _edge_median(hacc[half], "first", 0.25, 2)
+        if t_gain >= 0.05 and h_gain <= max(0.02, _sigma(float(np.median(hacc[-3:])), n)):
+            reasons.append(f"over the second half train accuracy rose {t_gain:+.3f} while holdout accuracy "
+                           f"moved {h_gain:+.3f}")
+            where += [int(hst[half][0]), int(hst[-1])]
+    if not reasons:
+        return []
+    return [Finding(
+        "overfitting", "warning", "; ".join(reasons) + gap_text + ".", _steps_list(sorted(set(where))),
+        hint="Stop near the holdout-best step (early stopping), add regularisation (weight decay, dropout, "
+             "augmentation), use more data or a smaller model.")]
+
+
+def _forgetting_stats(correct: np.ndarray) -> dict:
+    events = correct[:, :-1] & ~correct[:, 1:]
+    per_example = events.sum(axis=1)
+    stable = (correct[:, :-1] & correct[:, 1:]).any(axis=1)
+    lost = stable & ~correct[:, -1] & ~correct[:, -2]
+    return {"events": int(events.sum()), "examples": int((per_example > 0).sum()), "learned": int(stable.sum()),
+            "lost": int(lost.sum()), "first_steps": np.where(events.any(axis=0))[0]}
+
+
+def check_forgetting(run: Run) -> list:
+    h = holdout_data(run)
+    if not h or h["kind"] != "classification" or h["correct"] is None or h["correct"].shape[1] < 4:
+        return []
+    correct = h["correct"].astype(bool)
+    n = correct.shape[0]
+    f = _forgetting_stats(correct)
+    if not f["events"]:
+        return []
+    st = h["matrix_steps"]
+    event_steps = st[f["first_steps"] + 1]
+    msg = (f"{f['events']} forgetting event(s) (an example right at one collection and wrong at the next; "
+           f"Toneva et al. 2019) across {f['examples']} of {n} holdout examples; "
+           f"{f['lost']} of the {f['learned']} examples that had been learned are wrong in the last two collections.")
+    large = f["lost"] >= max(3, 0.1 * n) and f["lost"] >= 0.2 * max(f["learned"], 1)
+    return [Finding(
+        "forgetting", "warning" if large else "info", msg, _steps_list(event_steps),
+        hint=("A large share of learned examples was lost: lower the learning rate late in training, check for a "
+              "data-distribution shift between epochs, or keep the holdout-best checkpoint."
+              if large else "Some churn near the decision boundary is normal; watch whether it grows."))]
+
+
+def _batch_counts(run: Run):
+    """(classes, counts matrix batches x classes, batch sizes, steps) from classification batch_stats."""
+    names = section_keys(run, "batch_stats.counts", skip_overall=False)
+    if names:
+        m = np.vstack([column(run, ("batch_stats", "counts", c)) for c in names]).T
+    else:   # older records: only "<label_key>_<value>_pct" and batch_size
+        first = next((r["batch_stats"] for r in run.records if isinstance(r.get("batch_stats"), dict)), {})
+        key = f"{first.get('label_key') or ''}_"
+        pct_keys = [k for k in section_keys(run, "batch_stats", skip_overall=False)
+                    if k.endswith("_pct") and k.startswith(key)]
+        if not pct_keys:
+            return None
+        names = [k[len(key):-4] for k in pct_keys]
+        size = column(run, "batch_stats.batch_size")
+        m = np.vstack([column(run, ("batch_stats", k)) * size / 100.0 for k in pct_keys]).T
+    rows = np.isfinite(m).any(axis=1)
+    if not rows.any():
+        return None
+    m = np.nan_to_num(m[rows])   # a class missing from a batch's counts had 0 examples in it
+    order = sorted(range(len(names)), key=lambda i: (len(names[i]), names[i]))
+    return [str(names[i]) for i in order], m[:, order], m.sum(axis=1), steps(run)[rows]
+
+
+def check_class_imbalance(run: Run) -> list:
+    bc = _batch_counts(run)
+    if not bc:
+        return []
+    names, m, sizes, st = bc
+    h = holdout_data(run)
+    k = len(names)
+    if h and h["kind"] == "classification" and h["num_classes"] and h["num_classes"] <= 32:
+        k = max(k, h["num_classes"])
+    if k < 2 or sizes.sum() <= 0:
+        return []
+    total = m.sum(axis=0)
+    shares = np.concatenate([total / sizes.sum(), np.zeros(k - len(names))])
+    labels = names + [f"(class {i})" for i in range(len(names), k)]
+    reasons = []
+    expected = 1.0 / k
+    hi, lo = int(np.argmax(shares)), int(np.argmin(shares))
+    significant = abs(shares[hi] - expected) > 3 * _sigma(expected, int(sizes.sum()))
+    if significant and (shares[lo] <= 0 or shares[hi] / shares[lo] >= 2):
+        reasons.append(f"train batches are {', '.join(f'{labels[i]}: {shares[i]:.1%}' for i in range(k))} "
+                       f"over {len(sizes)} batches (balanced would be {expected:.1%} each)")
+    if h and h["kind"] == "classification" and h["labels"] is not None and len(h["labels"]) >= 20:
+        hl = h["labels"]
+        nh = len(hl)
+        for i, c in enumerate(names):
+            try:
+                hs = float(np.mean(hl == int(c)))
+            except ValueError:
+                continue
+            if abs(shares[i] - hs) > max(0.15, 3 * _sigma(hs, nh)):
+                reasons.append(f"class {c} is {shares[i]:.1%} of train batches but {hs:.1%} of the holdout")
+                break
+    if len(sizes) >= 10 and len(names) >= 2:
+        p = np.clip(total / total.sum(), 1e-6, None)
+        expected_counts = sizes[:, None] * p[None, :]
+        chi = ((m - expected_counts) ** 2 / expected_counts).sum(axis=1)
+        dispersion = float(chi.mean() / (len(names) - 1))
+        if dispersion >= 3:
+            reasons.append(f"individual batches are {dispersion:.1f}x more lopsided than random shuffling gives "
+                           "(chi-square per degree of freedom; ~1 when shuffled)")
+    if not reasons:
+        return []
+    return [Finding(
+        "class_imbalance", "warning", "; ".join(reasons) + ".", _steps_list([st[0], st[-1]]),
+        hint="Shuffle the training data (DataLoader(shuffle=True)), or rebalance with a WeightedRandomSampler / "
+             "class weights in the loss; make sure train and holdout come from the same distribution.")]
+
+
+def check_lora(run: Run) -> list:
+    if not any(isinstance(r.get("lora"), dict) for r in run.records):
+        return []
+    st = steps(run)
+    has = np.array([isinstance(r.get("lora"), dict) for r in run.records])
+    idx = np.where(has)[0][1:]   # B is zero-initialised, so the first collection tells nothing
+    if len(idx) < 2:
+        return []
+    bz = _finite(column(run, "lora.b_zero_fraction")[idx])
+    an = _finite(column(run, "lora.adapter_norm.overall")[idx])
+    gb = column(run, "lora.grad_norm_B")[idx]
+    reasons = []
+    if len(bz) >= 2 and np.all(bz >= 0.999):
+        reasons.append(f"b_zero_fraction stayed {_fmt(float(np.min(bz)))} (every LoRA B exactly zero)")
+    if len(an) >= 2 and np.all(an == 0):
+        reasons.append("adapter_norm stayed 0")
+    if np.all(~np.isfinite(gb) | (gb == 0)):
+        reasons.append("grad_norm_B was 0 or absent")
+    if not reasons or len(reasons) == 1 and reasons[0].startswith("grad_norm_B"):
+        return []
+    return [Finding(
+        "lora_not_learning", "critical",
+        f"the LoRA adapter does not learn: {' and '.join(reasons)} over {len(idx)} collections from step "
+        f"{int(st[idx[0]])} to {int(st[idx[-1]])}.", _steps_list([st[idx[0]], st[idx[-1]]]),
+        hint="Make sure the optimizer was built from the PEFT model's parameters (after get_peft_model), the LoRA "
+             "params have requires_grad=True and lr > 0, and that gradients reach them.")]
+
+
+def check_alerts_and_errors(run: Run) -> list:
+    alerts, errors = {}, {}
+    for r in run.records:
+        for a in r.get("alerts") or []:
+            if not isinstance(a, dict) or not a.get("code"):
+                continue
+            key = (str(a["code"]), a.get("group"))
+            entry = alerts.setdefault(key, {"steps": [], "message": str(a.get("message", "")), "severity": "info"})
+            sev = a.get("severity") if a.get("severity") in SEVERITIES else "warning"
+            if SEVERITIES.index(sev) > SEVERITIES.index(entry["severity"]):
+                entry["severity"] = sev
+            entry["steps"].append(r["step"])
+        errs = r.get("errors")
+        if isinstance(errs, dict):
+            for section, text in errs.items():
+                e = errors.setdefault(section, {"steps": [], "message": str(text)})
+                e["steps"].append(r["step"])
+    findings = []
+    for (code, group), a in alerts.items():
+        findings.append(Finding(
+            code, a["severity"],
+            f"telemetry alert at step {a['steps'][0]}"
+            + (f" (group '{group}')" if group else "") + f": {a['message']}"
+            + (f" (raised {len(a['steps'])} times)" if len(a["steps"]) > 1 else ""),
+            _steps_list(a["steps"]), group=group, source="telemetry",
+            hint="Raised by telemetry.py while training; see the matching analyzer finding if there is one."))
+    if errors:
+        parts = [f"{s} failed in {len(e['steps'])} record(s) from step {e['steps'][0]} ({e['message']})"
+                 for s, e in errors.items()]
+        findings.append(Finding(
+            "metric_errors", "warning", "; ".join(parts) + ". Those sections are missing from those records.",
+            _steps_list(sorted(s for e in errors.values() for s in e["steps"])),
+            hint="Fix the cause shown (often a batch format telemetry did not understand: pass batch_label_key, "
+                 "or a holdout forward); run with strict=True to get the traceback."))
+    return findings
+
+
+def diagnose(run: Run) -> list:
+    """All findings for a run, most severe first."""
+    with gc_paused():
+        return _diagnose(run)
+
+
+def _diagnose(run: Run) -> list:
+    findings = []
+    for check in (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_groups,
+                  check_not_learning, check_gradients, check_loss_spikes, check_holdout_at_chance,
+                  check_overfitting, check_forgetting, check_class_imbalance, check_lora):
+        findings += check(run)
+    # An alert telemetry raised on a problem the analyzer also found is folded into that finding
+    # (a group frozen because its LR is 0 is the lr_zero finding's business).
+    for alert in check_alerts_and_errors(run):
+        same = ("frozen_group", "lr_zero") if alert.code == "frozen_group" else (alert.code,)
+        twin = next((f for f in findings if f.code in same and f.source == "analyzer"
+                     and (alert.group is None or f.group in (None, alert.group))), None)
+        if twin is None:
+            findings.append(alert)
+            continue
+        twin.message += f" [telemetry alert {alert.code} at step {alert.steps[0]}]"
+        if SEVERITIES.index(alert.severity) > SEVERITIES.index(twin.severity):
+            twin.severity = alert.severity
+    findings.sort(key=lambda f: (-SEVERITIES.index(f.severity), f.steps[0] if f.steps else 0))
+    return findings
+
+
+def summarize(run: Run, findings: list = None) -> dict:
+    """The key numbers of a run (used for the terminal summary, JSON and the comparison table)."""
+    st = steps(run)
+    recs = run.records
+    s = {"run": run.name, "path": str(run.path), "records": len(recs)}
+    if not recs:
+        return s
+    s["first_step"], s["last_step"] = int(st[0]), int(st[-1])
+    epochs = _finite(column(run, "epoch"))
+    s["epochs"] = int(epochs.max()) + 1 if len(epochs) else None
+    try:
+        t0 = datetime.fromisoformat(str(recs[0].get("timestamp")))
+        t1 = datetime.fromisoformat(str(recs[-1].get("timestamp")))
+        s["duration_s"] = round((t1 - t0).total_seconds(), 1)
+    except ValueError:
+        s["duration_s"] = None
+    s["groups"] = _groups(run, "gradient_norm") or _groups(run, "learning_rates")
+    s["trainable_parameters"] = _get(run.meta, ["parameters", "trainable"])
+    loss = column(run, "loss")
+    s["loss_first"], s["loss_last"] = _edge_median(loss, "first", 0.1), _edge_median(loss, "last", 0.1)
+    key = train_accuracy_key(run)
+    if key:
+        s["train_acc_last"] = _edge_median(column(run, key), "last", 0.1)
+    h = holdout_data(run)
+    if h:
+        acc, hl = h["accuracy"], h["loss"]
+        s["holdout_examples"] = int(h["n"] or 0)
+        s["holdout_acc_first"] = float(_finite(acc)[0]) if len(_finite(acc)) else None
+        s["holdout_acc_last"] = float(_finite(acc)[-1]) if len(_finite(acc)) else None
+        s["holdout_acc_best"] = float(np.max(_finite(acc))) if len(_finite(acc)) else None
+        s["holdout_loss_last"] = float(_finite(hl)[-1]) if len(_finite(hl)) else None
+        s["holdout_loss_best"] = float(np.min(_finite(hl))) if len(_finite(hl)) else None
+    _, g = _grad_series(run)
+    s["grad_norm_median"] = float(np.median(g)) if g is not None and len(g) else None
+    wd = _finite(column(run, "weight_delta.overall"))
+    s["weight_delta_median"] = float(np.median(wd)) if len(wd) else None
+    lr = _finite(column(run, "learning_rates.overall"))
+    s["lr_last"] = float(lr[-1]) if len(lr) else None
+    ms = _finite(column(run, "telemetry_ms"))
+    s["telemetry_ms_median"] = float(np.median(ms)) if len(ms) else None
+    eps = _finite(column(run, "system.examples_per_s"))
+    if len(eps):
+        s["examples_per_s"] = float(np.median(eps))
+    for k, v in list(s.items()):
+        if isinstance(v, float) and not math.isfinite(v):
+            s[k] = None
+    if findings is not None:
+        s["findings"] = {sev: sum(f.severity == sev for f in findings) for sev in SEVERITIES}
+    return s
+
+
+# ---- Plots ------------------------------------------------------------------------------------------
+# One function per PNG. Each returns None when written, or a one-line reason when its data is absent,
+# so a missing section never produces an empty chart.
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")   # files only; never needs a display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+LINESTYLES = ["-", "--", ":", "-."]
+
+
+def _label(runs, run, what):
+    return what if len(runs) == 1 else f"{run.name}: {what}"
+
+
+def _auto_log(ax, arrays, axis="y"):
+    vals = np.concatenate([_finite(np.asarray(a, dtype=float)) for a in arrays] or [np.array([])])
+    vals = vals[vals > 0] if len(vals) else vals
+    all_pos = len(vals) and all(np.all(_finite(np.asarray(a, dtype=float)) > 0) for a in arrays)
+    if all_pos and vals.max() / vals.min() > 30:
+        (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+
+
+def _finish(fig, ax_list, path, title):
+    for ax in ax_list:
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
+def _group_lines(runs, path, section, title, ylabel, guide=None):
+    plt = _pyplot()
+    series = []
+    for ri, run in enumerate(runs):
+        groups = _groups(run, section)
+        keys = (["overall"] if has_values(run, (section, "overall")) else []) + groups
+        for gi, g in enumerate(keys):
+            y = column(run, (section, g))
+            ok = np.isfinite(y)
+            if ok.any():
+                series.append((ri, gi, run, g, steps(run)[ok], y[ok]))
+    if not series:
+        return f"no {section} values in any record"
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for ri, gi, run, g, x, y in series:
+        ax.plot(x, y, LINESTYLES[ri % 4], color="black" if g == "overall" else f"C{gi % 10}",
+                lw=1.6 if g == "overall" else 1.1, alpha=0.9, label=_label(runs, run, g),
+                marker="." if len(x) < 30 else None)
+    _auto_log(ax, [y for *_, y in series])
+    if guide is not None:
+        ax.axhline(guide[0], color="grey", ls="--", lw=1, label=guide[1])
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    _finish(fig, [ax], path, title)
+    return None
+
+
+def plot_gradient_norm(runs, path):
+    return _group_lines(runs, path, "gradient_norm", "Gradient norm per group", "gradient L2 norm")
+
+
+def plot_weight_delta(runs, path):
+    return _group_lines(runs, path, "weight_delta", "Weight change between collections per group",
+                        "weight delta (L2)")
+
+
+def plot_learning_rate(runs, path):
+    return _group_lines(runs, path, "learning_rates", "Learning rate per group", "learning rate")
+
+
+def plot_update_ratio(runs, path):
+    return _group_lines(runs, path, "update_ratio", "Update ratio ||dW|| / ||W|| per group", "update ratio",
+                        guide=(1e-3, "1e-3 (typical healthy)"))
+
+
+def plot_loss(runs, path):
+    plt = _pyplot()
+    data = []
+    for ri, run in enumerate(runs):
+        y = column(run, "loss")
+        h = holdout_data(run)
+        data.append((ri, run, y, h))
+    if not any(np.isfinite(y).any() or (h and np.isfinite(h["loss"]).any()) for _, _, y, h in data):
+        return "no train loss and no holdout loss in any record"
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    arrays = []
+    for ri, run, y, h in data:
+        ok = np.isfinite(y)
+        if ok.any():
+            x, v = steps(run)[ok], y[ok]
+            ax.plot(x, v, LINESTYLES[ri % 4], color="C0" if len(runs) == 1 else f"C{ri}", lw=0.7, alpha=0.45,
+                    label=_label(runs, run, "train loss (per batch)"))
+            if len(v) >= 9:
+                w = max(3, min(51, len(v) // 20 * 2 + 1))
+                sm = np.median(np.lib.stride_tricks.sliding_window_view(v, w), axis=1)
+                ax.plot(x[w // 2: w // 2 + len(sm)], sm, LINESTYLES[ri % 4],
+                        color="C0" if len(runs) == 1 else f"C{ri}", lw=1.8,
+                        label=_label(runs, run, f"train loss (rolling median of {w})"))
+            arrays.append(v)
+        if h and np.isfinite(h["loss"]).any():
+            ok = np.isfinite(h["loss"])
+            ax.plot(h["steps"][ok], h["loss"][ok], LINESTYLES[ri % 4], color="C3" if len(runs) == 1 else f"C{ri}",
+                    marker="o", ms=3, lw=1.5, label=_label(runs, run, "holdout loss"))
+            arrays.append(h["loss"][ok])
+    _auto_log(ax, arrays)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    _finish(fig, [ax], path, "Train loss vs holdout loss")
+    return None
+
+
+def plot_accuracy(runs, path):
+    plt = _pyplot()
+    if not any((h := holdout_data(r)) and np.isfinite(h["accuracy"]).any() for r in runs) \
+            and not any(train_accuracy_key(r) for r in runs):
+        return "no holdout accuracy and no train accuracy scalar in any record"
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    chance_drawn = False
+    for ri, run in enumerate(runs):
+        h = holdout_data(run)
+        color = f"C{ri}" if len(runs) > 1 else "C3"
+        if h and np.isfinite(h["accuracy"]).any():
+            ok = np.isfinite(h["accuracy"])
+            ax.plot(h["steps"][ok], h["accuracy"][ok], LINESTYLES[ri % 4], color=color, marker="o", ms=3,
+                    label=_label(runs, run, "holdout accuracy"))
+            if h["kind"] == "classification" and h["num_classes"] and not chance_drawn:
+                p0, n = 1.0 / h["num_classes"], int(h["n"] or 50)
+                band = 2 * _sigma(p0, n)
+                ax.axhline(p0, color="grey", ls="--", lw=1, label=f"chance 1/{h['num_classes']}")
+                ax.axhspan(p0 - band, p0 + band, color="grey", alpha=0.12, label=f"chance +/- 2 sigma (n={n})")
+                chance_drawn = True
+        key = train_accuracy_key(run)
+        if key:
+            y = column(run, key)
+            ok = np.isfinite(y)
+            ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ri}" if len(runs) > 1 else "C0",
+                    lw=0.8, alpha=0.6, label=_label(runs, run, f"train accuracy ({key})"))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy")
+    _finish(fig, [ax], path, "Holdout accuracy (and train accuracy)")
+    return None
+
+
+def plot_batch_balance(runs, path):
+    plt = _pyplot()
+    items = [(run, _batch_counts(run)) for run in runs]
+    lm = [(run, column(run, "batch_stats.label_share"), column(run, "batch_stats.padding_share")) for run in runs]
+    if not any(bc for _, bc in items) and not any(np.isfinite(a).any() or np.isfinite(b).any() for _, a, b in lm):
+        return "no batch_stats in any record"
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for ri, (run, bc) in enumerate(items):
+        if bc:
+            names, m, sizes, st = bc
+            shares = m / np.maximum(sizes[:, None], 1)
+            for ci, c in enumerate(names[:10]):
+                y = shares[:, ci]
+                ax.plot(st, y, LINESTYLES[ri % 4], color=f"C{ci}", lw=0.6, alpha=0.35)
+                if len(y) >= 9:
+                    w = max(3, min(51, len(y) // 20 * 2 + 1))
+                    sm = np.convolve(y, np.ones(w) / w, mode="valid")
+                    ax.plot(st[w // 2: w // 2 + len(sm)], sm, LINESTYLES[ri % 4], color=f"C{ci}", lw=1.8,
+                            label=_label(runs, run, f"class {c} (rolling mean of {w})"))
+                else:
+                    ax.lines[-1].set_alpha(1.0)
+                    ax.lines[-1].set_label(_label(runs, run, f"class {c}"))
+            if ri == 0:
+                ax.axhline(1.0 / len(names), color="grey", ls="--", lw=1, label=f"balanced 1/{len(names)}")
+        else:
+            _, a, b = lm[ri]
+            for y, what, ci in ((a, "label share (tokens with labels)", 0), (b, "padding share", 1)):
+                ok = np.isfinite(y)
+                if ok.any():
+                    ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ci}", label=_label(runs, run, what))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of batch")
+    _finish(fig, [ax], path, "Batch balance over time")
+    return None
+
+
+def _heat_columns(matrix, max_cols=1500):
+    # Tens of thousands of collections do not fit in pixels; sample evenly so the image stays light.
+    if matrix.shape[1] <= max_cols:
+        return np.arange(matrix.shape[1])
+    return np.linspace(0, matrix.shape[1] - 1, max_cols).astype(int)
+
+
+def plot_holdout_heatmap(runs, path):
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+    panels = [(run, h) for run in runs if (h := holdout_data(run)) and h["correct"] is not None
+              and h["correct"].shape[1] >= 2]
+    if not panels:
+        return "no per-example holdout predictions (holdout_logits labels/predictions) in at least 2 records"
+    panels = panels[:4]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.5 + 3.5 * len(panels)), squeeze=False)
+    for ax, (run, h) in zip(axes[:, 0], panels):
+        mat = h["correct"]
+        cols = _heat_columns(mat)
+        st = h["matrix_steps"][cols]
+        if h["kind"] == "classification":
+            c = mat.astype(bool)
+            ever = c.any(axis=1)
+            flips = (c[:, :-1] & ~c[:, 1:]).any(axis=1)
+            cat = np.where(~ever, 0, np.where(flips, 1, 2))
+            order = np.lexsort((-c.mean(axis=1), cat))
+            img = c[order][:, cols].astype(float)
+            ax.imshow(img, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#d7301f", "#1a9850"]),
+                      vmin=0, vmax=1, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
+            ticks, labels, start = [], [], 0
+            for k, name in enumerate(("never learned", "flip (forgotten at least once)", "learned")):
+                count = int((cat == k).sum())
+                if count:
+                    ticks.append(start + (count - 1) / 2)
+                    labels.append(f"{name} ({count})")
+                    if start:
+                        ax.axhline(start - 0.5, color="white", lw=2)
+                    start += count
+            ax.set_yticks(ticks)
+            ax.set_yticklabels(labels, fontsize=8)
+            ax.set_title(_label(runs, run, "per-example holdout correctness (green = right, red = wrong)"),
+                         fontsize=10)
+        else:
+            order = np.argsort(mat[:, -1])
+            im = ax.imshow(mat[order][:, cols], aspect="auto", interpolation="nearest", cmap="viridis",
+                           vmin=0, vmax=1, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
+            fig.colorbar(im, ax=ax, label="token accuracy")
+            ax.set_ylabel("holdout example (sorted by final accuracy)")
+            ax.set_title(_label(runs, run, "per-example holdout token accuracy"), fontsize=10)
+        ax.set_xlabel("step")
+    fig.suptitle("Holdout examples over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def plot_lora(runs, path):
+    plt = _pyplot()
+    panels = []
+    for key, title, log in (("lora.adapter_norm.overall", "adapter norm ||BA||*scale", True),
+                            ("lora.adapter_delta.overall", "adapter change per collection", True),
+                            ("lora.grad_norm_A|lora.grad_norm_B", "LoRA gradient norms (A, B)", True),
+                            ("lora.b_zero_fraction", "share of LoRA B still exactly 0", False)):
+        if any(has_values(r, k) for r in runs for k in key.split("|")):
+            panels.append((key, title, log))
+    if not panels:
+        return "no lora section in any record"
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.8 * len(panels)), squeeze=False)
+    for ax, (key, title, log) in zip(axes[:, 0], panels):
+        arrays = []
+        for ri, run in enumerate(runs):
+            for ki, k in enumerate(key.split("|")):
+                y = column(run, k)
+                ok = np.isfinite(y)
+                if ok.any():
+                    ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ki}",
+                            label=_label(runs, run, k.split(".")[-1]))
+                    arrays.append(y[ok])
+        if log:
+            _auto_log(ax, arrays)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("gradient norm" if "|" in key else key.split(".")[1])
+    _finish(fig, list(axes[:, 0]), path, "LoRA adapters")
+    return None
+
+
+def plot_layer_heatmap(runs, path):
+    plt = _pyplot()
+    from matplotlib.colors import LogNorm
+    panels = []
+    for run in runs:
+        layers = section_keys(run, "layer_stats", skip_overall=False)
+        rows = [column(run, ("layer_stats", k, "grad_norm")) for k in layers[:80]]
+        if rows and any(np.isfinite(r).any() for r in rows):
+            panels.append((run, layers[:80], np.vstack(rows)))
+    if not panels:
+        return "no layer_stats grad_norm in any record"
+    panels = panels[:4]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2 + 0.18 * max(len(p[1]) for p in panels) * len(panels)),
+                             squeeze=False)
+    for ax, (run, layers, mat) in zip(axes[:, 0], panels):
+        cols = _heat_columns(mat)
+        st = steps(run)[cols]
+        img = np.where(np.isfinite(mat) & (mat > 0), mat, np.nan)[:, cols]
+        pos = _finite(img)
+        norm = LogNorm(vmin=pos.min(), vmax=max(pos.max(), pos.min() * 1.0001)) if len(pos) else None
+        cmap = plt.get_cmap("magma").copy()
+        cmap.set_bad("#d9d9d9")   # zero/absent gradients stand out as grey instead of blending in
+        im = ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
+                       extent=(st[0], st[-1], len(layers) - 0.5, -0.5))
+        fig.colorbar(im, ax=ax, label="gradient norm (log)")
+        if len(layers) <= 60:
+            ax.set_yticks(range(len(layers)))
+            ax.set_yticklabels([k if len(k) <= 40 else "..." + k[-37:] for k in layers], fontsize=6)
+        ax.set_ylabel("layer")
+        ax.set_xlabel("step")
+        ax.set_title(_label(runs, run, "per-layer gradient norm (grey = zero or absent)"), fontsize=10)
+    fig.suptitle("Per-layer gradient norm")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def _threshold_order(key):
+    try:
+        return (0, float(key))
+    except ValueError:
+        return (1, 0.0)
+
+
+def plot_sparsity(runs, path):
+    plt = _pyplot()
+    series = []
+    for ri, run in enumerate(runs):
+        for sub, ls in (("sparsity", "-"), ("sparsity_rel", "--")):
+            for ti, t in enumerate(sorted(section_keys(run, f"param_change.{sub}", skip_overall=False),
+                                          key=_threshold_order)):
+                y = column(run, ("param_change", sub, t))
+                ok = np.isfinite(y)
+                if ok.any():
+                    series.append((ri, run, f"{'|dW| < ' if sub == 'sparsity' else '|dW|/|W| < '}{t}",
+                                   ls, ti, steps(run)[ok], y[ok]))
+    if not series:
+        return "no param_change.sparsity in any record"
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for ri, run, what, ls, ti, x, y in series:
+        ax.plot(x, y, ls if len(runs) == 1 else LINESTYLES[ri % 4], color=f"C{ti % 10}",
+                label=_label(runs, run, what))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of weights that (almost) did not change")
+    _finish(fig, [ax], path, "Parameter-change sparsity")
+    return None
+
+
+def plot_sparse_quality(runs, path):
+    plt = _pyplot()
+    per_run = []
+    for run in runs:
+        last = next((r["sparse_quality"] for r in reversed(run.records) if isinstance(r.get("sparse_quality"), dict)),
+                    None)
+        if last:
+            pts = []
+            for t, v in last.items():
+                try:
+                    pts.append((float(t), v))
+                except ValueError:
+                    continue
+            if pts:
+                per_run.append((run, sorted(pts, key=lambda p: p[0])))
+    if not per_run:
+        return "no sparse_quality in any record"
+    metrics = [m for m in ("kl", "cosine", "mse", "top1_agree")
+               if any(isinstance(v.get(m), (int, float)) for _, pts in per_run for _, v in pts if isinstance(v, dict))]
+    if not metrics:
+        return "sparse_quality holds none of kl/cosine/mse/top1_agree"
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        for ri, (run, pts) in enumerate(per_run):
+            x = [t for t, v in pts if isinstance(v, dict)]
+            y = [_num(v.get(m)) for t, v in pts if isinstance(v, dict)]
+            yr = [_num((v.get("random") or {}).get(m)) for t, v in pts if isinstance(v, dict)]
+            ax.plot(x, y, "-o", color=f"C{ri}", ms=3, label=_label(runs, run, "kept top changes"))
+            if np.isfinite(yr).any():
+                ax.plot(x, yr, "--x", color=f"C{ri}", ms=3, alpha=0.7, label=_label(runs, run, "random baseline"))
+        if all(t > 0 for _, pts in per_run for t, _ in pts):
+            ax.set_xscale("log")
+        ax.set_xlabel("threshold")
+        ax.set_ylabel(m)
+        ax.set_title(m, fontsize=10)
+    _finish(fig, list(axes[0]), path, "Sparse-update quality vs random baseline (last collection)")
+    return None
+
+
+def plot_system(runs, path):
+    plt = _pyplot()
+    keys = []
+    for run in runs:
+        for k in section_keys(run, "system", skip_overall=False):
+            if k not in keys and has_values(run, ("system", k)):
+                keys.append(k)
+    if not keys:
+        return "no system metrics in any record"
+    keys = keys[:9]
+    ncols = 3 if len(keys) > 4 else min(2, len(keys))
+    nrows = int(math.ceil(len(keys) / ncols))
+    fig = plt.figure(figsize=(5 * ncols, 3 * nrows))
+    axes = []
+    for i, k in enumerate(keys):
+        ax = fig.add_subplot(nrows, ncols, i + 1)   # only as many axes as metrics: no empty panels
+        for ri, run in enumerate(runs):
+            y = column(run, ("system", k))
+            ok = np.isfinite(y)
+            if ok.any():
+                ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ri}", label=_label(runs, run, k)
+                        if len(runs) > 1 else None)
+        ax.set_title(k, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(k)
+        axes.append(ax)
+    _finish(fig, axes, path, "System metrics")
+    return None
+
+
+def make_plots(runs, out_dir: Path):
+    """Write every plot that has data; returns ([written paths], [(name, why skipped)])."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, skipped = [], []
+    plots = (
+        ("loss.png", plot_loss), ("accuracy.png", plot_accuracy), ("gradient_norm.png", plot_gradient_norm),
+        ("weight_delta.png", plot_weight_delta), ("learning_rate.png", plot_learning_rate),
+        ("batch_balance.png", plot_batch_balance), ("holdout_heatmap.png", plot_holdout_heatmap),
+        ("update_ratio.png", plot_update_ratio), ("layer_grad_heatmap.png", plot_layer_heatmap),
+        ("lora.png", plot_lora), ("param_change_sparsity.png", plot_sparsity),
+        ("sparse_quality.png", plot_sparse_quality), ("system.png", plot_system),
+    )
+    for name, fn in plots:
+        path = out_dir / name
+        try:
+            why = fn(runs, path)
+        except Exception as exc:   # one broken chart must not cost the others and the report
+            why = f"failed: {type(exc).__name__}: {exc}"
+            _pyplot().close("all")
+        if why is None:
+            written.append(path)
+        else:
+            skipped.append((name, why))
+            if path.exists():
+                path.unlink()   # a stale chart from an earlier analysis would mislead
+    return written, skipped
+
+
+# ---- Report -----------------------------------------------------------------------------------------
+
+COMPARE_ROWS = (
+    ("records", "records"), ("last_step", "last step"), ("epochs", "epochs"), ("duration_s", "duration (s)"),
+    ("loss_first", "train loss, start"), ("loss_last", "train loss, end"), ("train_acc_last", "train accuracy, end"),
+    ("holdout_acc_last", "holdout accuracy, end"), ("holdout_acc_best", "holdout accuracy, best"),
+    ("holdout_loss_last", "holdout loss, end"), ("holdout_loss_best", "holdout loss, best"),
+    ("grad_norm_median", "gradient norm (median)"), ("weight_delta_median", "weight delta (median)"),
+    ("lr_last", "learning rate, end"), ("examples_per_s", "examples/s"),
+    ("telemetry_ms_median", "telemetry ms/record"),
+)
+
+
+def comparison_rows(summaries):
+    """[(label, [value per run])] for the numbers at least one run has."""
+    rows = []
+    for key, label in COMPARE_ROWS:
+        vals = [s.get(key) for s in summaries]
+        if any(v is not None for v in vals):
+            rows.append((label, [_fmt(v) for v in vals]))
+    rows.append(("findings (crit/warn/info)",
+                 [f"{s['findings']['critical']}/{s['findings']['warning']}/{s['findings']['info']}"
+                  if "findings" in s else "" for s in summaries]))
+    return rows
+
+
+def format_text(results) -> str:
+    """The terminal report: a short summary per run, its findings, and a comparison for several runs."""
+    out = []
+    for run, findings, summary in results:
+        s = summary
+        dur = f", {s['duration_s']:.0f}s" if s.get("duration_s") else ""
+        out.append(f"Run {run.name} ({run.path}): {s['records']} records"
+                   + (f", steps {s['first_step']}-{s['last_step']}, {s['epochs']} epoch(s){dur}" if s["records"] else ""))
+        bits = []
+        if s.get("loss_first") is not None:
+            bits.append(f"train loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}")
+        if s.get("train_acc_last") is not None:
+            bits.append(f"train acc {s['train_acc_last']:.3f}")
+        if s.get("holdout_acc_last") is not None:
+            bits.append(f"holdout acc {s['holdout_acc_first']:.3f} -> {s['holdout_acc_last']:.3f} "
+                        f"(best {s['holdout_acc_best']:.3f})")
+        if s.get("holdout_loss_last") is not None:
+            bits.append(f"holdout loss {_fmt(s['holdout_loss_last'])}")
+        if s.get("grad_norm_median") is not None:
+            bits.append(f"grad norm ~{_fmt(s['grad_norm_median'])}")
+        if bits:
+            out.append("  " + " | ".join(bits))
+        for n in run.notices:
+            out.append(f"  notice: {n}")
+        if not run.records:
+            out.append("  No records to judge yet.")
+        elif not findings:
+            out.append("  No findings: nothing looks wrong.")
+        for f in findings:
+            out.append(f"  {f.severity.upper():8} {f.code}: {f.message}")
+            out.append(f"           hint: {f.hint}")
+        out.append("")
+    if len(results) > 1:
+        names = [r.name for r, _, _ in results]
+        rows = comparison_rows([s for _, _, s in results])
+        w0 = max(len(label) for label, _ in rows)
+        widths = [max(len(n), *(len(v[i]) for _, v in rows)) for i, n in enumerate(names)]
+        out.append("Comparison")
+        out.append("  " + " " * w0 + "  " + "  ".join(n.rjust(w) for n, w in zip(names, widths)))
+        for label, vals in rows:
+            out.append("  " + label.ljust(w0) + "  " + "  ".join(v.rjust(w) for v, w in zip(vals, widths)))
+        out.append("")
+    return "\n".join(out)
+
+
+def findings_json(results) -> dict:
+    def one(run, findings, summary):
+        return {"run_dir": str(run.path), "summary": summary, "findings": [asdict(f) for f in findings],
+                "notices": run.notices}
+    if len(results) == 1:
+        return one(*results[0])
+    return {"runs": [one(*r) for r in results],
+            "comparison": [{"metric": label, "values": vals} for label, vals
+                           in comparison_rows([s for _, _, s in results])]}
+
+
+REPORT_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1150px}
+h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:28px}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;text-align:right}
+th:first-child,td:first-child{text-align:left}.f{margin:8px 0;padding:8px 12px;border-left:6px solid #999;
+background:#f7f7f7}.critical{border-color:#c0392b;background:#fdecea}.warning{border-color:#e67e22;
+background:#fff4e5}.info{border-color:#2e86c1;background:#eef6fc}.sev{font-weight:bold;text-transform:uppercase}
+.hint{color:#555;font-size:13px;margin-top:4px}figure{margin:16px 0}img{max-width:100%;border:1px solid #eee}
+figcaption{font-size:13px;color:#555}.notice{color:#7a5c00;font-size:13px}.ok{color:#1e8449;font-weight:bold}
+"""
+
+
+def write_report(results, written, skipped, out_dir: Path) -> Path:
+    """One self-contained HTML file: images are inlined as base64, nothing is fetched."""
+    e = html.escape
+    title = "Training telemetry: " + ", ".join(r.name for r, _, _ in results)
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>"
+             f"<style>{REPORT_CSS}</style></head><body><h1>{e(title)}</h1>",
+             f"<p>Generated {datetime.now().isoformat(timespec='seconds')} by analyze_telemetry.py.</p>"]
+    rows = comparison_rows([s for _, _, s in results])
+    parts.append("<h2>Summary</h2><table><tr><th></th>"
+                 + "".join(f"<th>{e(r.name)}</th>" for r, _, _ in results) + "</tr>")
+    for label, vals in rows:
+        parts.append(f"<tr><td>{e(label)}</td>" + "".join(f"<td>{e(v)}</td>" for v in vals) + "</tr>")
+    parts.append("</table>")
+    for run, findings, _ in results:
+        parts.append(f"<h2>Findings: {e(run.name)}</h2><p>{e(str(run.path))}</p>")
+        for n in run.notices:
+            parts.append(f"<p class='notice'>notice: {e(n)}</p>")
+        if not findings:
+            parts.append("<p class='ok'>No findings: nothing looks wrong.</p>")
+        for f in findings:
+            where = ", ".join(str(s) for s in f.steps[:10])
+            parts.append(f"<div class='f {e(f.severity)}'><span class='sev'>{e(f.severity)}</span> "
+                         f"<code>{e(f.code)}</code> {e(f.message)}"
+                         + (f" <em>(steps {e(where)})</em>" if where else "")
+                         + f"<div class='hint'>Try: {e(f.hint)}</div></div>")
+    parts.append("<h2>Plots</h2>")
+    for path in written:
+        data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+        parts.append(f"<figure><img alt='{e(path.stem)}' src='data:image/png;base64,{data}'>"
+                     f"<figcaption>{e(path.name)}</figcaption></figure>")
+    if skipped:
+        parts.append("<h2>Plots not drawn</h2><ul>"
+                     + "".join(f"<li>{e(n)}: {e(w)}</li>" for n, w in skipped) + "</ul>")
+    parts.append("</body></html>")
+    path = out_dir / "report.html"
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
+
+
+def write_csv(runs, path) -> int:
+    """One flat row per record (a leading `run` column when several runs go into one file)."""
+    all_cols, all_rows = {}, []
+    for run in runs:
+        cols, rows = flat_rows(run)
+        all_cols.update(dict.fromkeys(cols))
+        all_rows += [(run.name, r) for r in rows]
+    columns = (["run"] if len(runs) > 1 else []) + list(all_cols)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        for name, row in all_rows:
+            vals = [name] if len(runs) > 1 else []
+            for c in all_cols:
+                v = row.get(c)
+                vals.append("" if v is None else repr(v) if isinstance(v, float) else v)
+            w.writerow(vals)
+    return len(all_rows)
+
+
+def export_tensorboard(runs, log_dir) -> str:
+    """Scalars to TensorBoard event files, if a writer is installed; returns what happened."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:
+        try:
+            from tensorboardX import SummaryWriter
+        except Exception:
+            return "skipped --tensorboard: neither torch.utils.tensorboard (needs the tensorboard package) " \
+                   "nor tensorboardX is installed"
+    count = 0
+    for run in runs:
+        writer = SummaryWriter(log_dir=str(Path(log_dir) / run.name) if len(runs) > 1 else str(log_dir))
+        for rec in run.records:
+            for k, v in flat_record(rec).items():
+                if k in ("step", "schema") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                    continue
+                writer.add_scalar(k.replace(".", "/"), v, global_step=rec["step"])
+                count += 1
+        writer.close()
+    return f"wrote {count:,} scalars to TensorBoard logs in {log_dir}"
+
+
+# ---- Command line -----------------------------------------------------------------------------------
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="analyze-telemetry", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 ok, 1 with --check when a finding is critical, 2 when a run cannot be read.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (or its telemetry.jsonl)")
+    p.add_argument("--out", help="where plots and report.html go (default RUN_DIR/analysis/)")
+    p.add_argument("--json", action="store_true", help="print summary and findings as JSON on stdout")
+    p.add_argument("--check", action="store_true", help="exit 1 when any finding is critical")
+    p.add_argument("--csv", metavar="FILE", help="write one flat row per record to FILE")
+    p.add_argument("--plots", action="store_true", help="also write plots with --json/--check/--csv")
+    p.add_argument("--no-plots", action="store_true", help="skip plots and report.html")
+    p.add_argument("--watch", action="store_true", help="follow the run while it trains (Ctrl-C to stop)")
+    p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="--watch poll interval (5)")
+    p.add_argument("--max-seconds", type=float, metavar="N", help="end --watch by itself after N seconds")
+    p.add_argument("--tensorboard", metavar="DIR", help="also export scalars as TensorBoard logs to DIR")
+    return p
+
+
+def _out_dir(args, runs) -> Path:
+    if args.out:
+        return Path(args.out)
+    return runs[0].path / "analysis" / ("compare" if len(runs) > 1 else "")
+
+
+def _unique_names(runs):
+    seen = {}
+    for run in runs:
+        if run.name in seen:
+            run.name = f"{run.path.resolve().parent.name}/{run.name}"
+        seen[run.name] = run
+
+
+def _analyze(runs, args, want_plots):
+    results = [(run, f := diagnose(run), summarize(run, f)) for run in runs]
+    where = None
+    if want_plots:
+        out = _out_dir(args, runs)
+        written, skipped = make_plots(runs, out)
+        report = write_report(results, written, skipped, out)
+        where = (out, report, written, skipped)
+    return results, where
+
+
+def _print_where(where, stream):
+    out, report, written, skipped = where
+    for name, why in skipped:
+        print(f"skipped {name}: {why}", file=stream)
+    print(f"wrote {len(written)} plot(s) and {report} (plots in {out})", file=stream)
+
+
+def watch(runs, args, want_plots) -> int:
+    """Poll the runs, re-diagnose when lines arrive, print each finding the first time it shows up."""
+    seen, notices_shown = set(), {r.name: 0 for r in runs}
+    deadline = time.monotonic() + args.max_seconds if args.max_seconds else None
+    print(f"watching {', '.join(str(r.path) for r in runs)} every {args.interval:g}s (Ctrl-C to stop)", flush=True)
+    for run in runs:
+        if not (run.path / RECORD_FILE).exists():
+            print(f"[{run.name}] waiting for {run.path / RECORD_FILE}", flush=True)
+
+    def analyze_and_tell():
+        results, where = _analyze(runs, args, want_plots and any(r.records for r in runs))
+        for run, findings, _ in results:
+            for n in run.notices[notices_shown[run.name]:]:
+                print(f"[{run.name}] notice: {n}", flush=True)
+            notices_shown[run.name] = len(run.notices)
+            for f in findings:
+                # Keyed with the severity, so a warning that turns critical is told once more.
+                key = (run.name, f.code, f.group, f.severity)
+                if key not in seen:
+                    seen.add(key)
+                    step = run.records[-1]["step"] if run.records else "?"
+                    print(f"[{run.name}] step {step}: {f.severity.upper()} {f.code}: {f.message}", flush=True)
+        return results, where
+
+    first = True
+    try:
+        while True:
+            if sum(read_new_records(run, final=False) for run in runs) or first:
+                first = False
+                analyze_and_tell()
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(args.interval if deadline is None
+                       else max(0.0, min(args.interval, deadline - time.monotonic())))
+    except KeyboardInterrupt:
+        print("\nstopped watching", flush=True)
+    for run in runs:
+        read_new_records(run, final=True)
+    results, where = analyze_and_tell()
+    print(f"watched {sum(len(r.records) for r in runs)} records; "
+          f"{sum(len(f) for _, f, _ in results)} finding(s) now", flush=True)
+    if where:
+        _print_where(where, sys.stdout)
+    return 1 if args.check and any(f.severity == "critical" for _, fs, _ in results for f in fs) else 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    machine = args.json or args.check or args.csv
+    want_plots = not args.no_plots and (args.plots or not machine)
+    runs = []
+    for d in args.run_dirs:
+        run = new_run(d)
+        if not run.path.is_dir():
+            print(f"error: {d} is not a run directory", file=sys.stderr)
+            return 2
+        if not (run.path / RECORD_FILE).is_file() and not args.watch:
+            print(f"error: no {RECORD_FILE} in {run.path}", file=sys.stderr)
+            return 2
+        runs.append(run)
+    _unique_names(runs)
+    if args.watch:
+        return watch(runs, args, want_plots)
+    for run in runs:
+        read_new_records(run, final=True, progress=True)
+    info = sys.stderr if args.json else sys.stdout
+    if args.csv:
+        n = write_csv(runs, args.csv)
+        print(f"wrote {n} rows to {args.csv}", file=info)
+    try:
+        results, where = _analyze(runs, args, want_plots)
+    except ImportError as exc:   # matplotlib missing: still give the diagnosis
+        print(f"plots skipped: {exc}", file=sys.stderr)
+        results, where = _analyze(runs, args, False)
+    if args.json:
+        print(json.dumps(findings_json(results), indent=1, default=float, allow_nan=False))
+    else:
+        print(format_text(results))
+    if where:
+        _print_where(where, info)
+    if args.tensorboard:
+        print(export_tensorboard(runs, args.tensorboard), file=info)
+    if args.check:
+        return 1 if any(f.severity == "critical" for _, fs, _ in results for f in fs) else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
