@@ -730,9 +730,9 @@ def per_tensor_stats(tensors: List[torch.Tensor], device: torch.device) -> Dict[
             continue
         per["sum"].append(t.sum(dtype=torch.float32).to(device))
         per["min"].append(t.amin().float().to(device))
-        per["zeros"].append((t == 0).sum().to(device))
-        per["nans"].append(t.isnan().sum().to(device))
-        per["infs"].append(t.isinf().sum().to(device))
+        per["zeros"].append((t.numel() - torch.count_nonzero(t)).to(device))  # NaN is not zero
+        per["nans"].append(torch.count_nonzero(t.isnan()).to(device))
+        per["infs"].append(torch.count_nonzero(t.isinf()).to(device))
     for k, values in per.items():
         out[k] = torch.stack(values) if values else torch.zeros(0, device=device)
     out["numel"] = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)

@@ -1,0 +1,98 @@
+"""The Lightning callback: a tiny LightningModule trained on the CPU by lightning.pytorch's Trainer.
+
+References are Lightning's own: lightning.pytorch.utilities.grad_norm taken by the module in its
+on_before_optimizer_step (after unscaling, before clipping), the loss its training_step returned, and
+weight copies the module keeps after each step.
+"""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
+
+pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (a dev extra)")
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(5, 4)
+        self.head = torch.nn.Linear(4, 3)
+        self.norms, self.losses, self.weights = [], [], []
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms.append(grad_norm(self, norm_type=2)["grad_2.0_norm_total"].item())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.weights.append([p.detach().clone() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([{"params": self.body.parameters(), "name": "body"},
+                                {"params": self.head.parameters(), "name": "head"}], lr=0.5)
+
+
+def fit(tmp_path, **trainer_args):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 5, generator=g), torch.randint(0, 3, (24,), generator=g))
+    module = Tiny()
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=2, strict=True,
+                                                  alerts=False, track_system=False))
+    telemetry.set_holdout_data(list(torch.utils.data.DataLoader(data, batch_size=8))[:1])
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[telemetry.lightning_callback()], **trainer_args)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    records = [json.loads(line) for line in open(tmp_path / "run" / "telemetry.jsonl")]
+    return module, records, trainer
+
+
+def test_lightning_records_lightnings_own_gradient_norm(tmp_path):
+    # Clipping at 0.05 changes the gradients after on_before_optimizer_step: the record must hold the
+    # pre-clip norm that Lightning's grad_norm reports there, not the clipped one.
+    module, records, _ = fit(tmp_path, gradient_clip_val=0.05)
+    assert [r["batch_idx"] for r in records] == [0, 2, 4]
+    assert max(module.norms) > 0.1
+    for record in records:
+        b = record["batch_idx"]
+        assert math.isclose(record["gradient_norm"]["overall"], module.norms[b], rel_tol=1e-6)
+        assert math.isclose(record["loss"], module.losses[b], rel_tol=1e-6)
+        assert set(record["gradient_norm"]) == {"overall", "body", "head"}
+        assert record["learning_rates"] == {"overall": 0.5, "body": 0.5, "head": 0.5}
+        assert 0.0 <= record["holdout_logits"]["accuracy"] <= 1.0
+    for record in records[1:]:
+        b = record["batch_idx"]
+        moved = torch.nn.utils.get_total_norm(
+            [now - before for now, before in zip(module.weights[b], module.weights[b - 2])]).item()
+        assert math.isclose(record["weight_delta"]["overall"], moved, rel_tol=1e-5)
+
+
+def test_lightning_16_mixed_records_the_scaler_and_unscaled_norms(tmp_path):
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module, records, trainer = fit(tmp_path, plugins=[MixedPrecision("16-mixed", "cpu")])
+    scaler = trainer.precision_plugin.scaler
+    assert isinstance(scaler, torch.amp.GradScaler) and len(records) == 3
+    for record in records:
+        # Lightning unscales before on_before_optimizer_step, where the module took its reference.
+        assert math.isclose(record["gradient_norm"]["overall"], module.norms[record["batch_idx"]], rel_tol=1e-5)
+    # No step overflowed (the scale never backed off from its initial 2**16), and the record says so.
+    assert scaler.get_scale() == 2.0 ** 16
+    assert [r["grad_scaler"] for r in records] == [{"scale": 2.0 ** 16, "skipped_steps": 0}] * 3
