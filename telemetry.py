@@ -93,8 +93,8 @@ class TelemetryConfig:
     track_system: bool = True  # step time, throughput, RSS, CUDA memory: a few clock/counter reads
     alerts: bool = True  # online alerts (spikes, NaN, LR 0, frozen groups), logged when they start
     alert_window: int = 50  # records in the rolling median/MAD window of loss and gradient norm
-    alert_spike_threshold: float = 6.0  # robust z-score (MADs from the rolling median) that makes a spike
-    alert_explosion_factor: float = 10.0  # gradient norm this many times its rolling median: explosion
+    alert_spike_threshold: float = 8.0  # robust z-score (MADs from the rolling median) that makes a spike
+    alert_explosion_factor: float = 10.0  # a gradient spike this many times its rolling median: explosion
 
     # Mirrors: each record's numbers also go to "wandb" (the active run) and/or "tensorboard" (output_dir/tb).
     mirror: List[str] = dataclasses.field(default_factory=list)  # telemetry.jsonl stays the source of truth
@@ -703,13 +703,16 @@ def _buckets(tensors: List[torch.Tensor]) -> Dict[Any, List[int]]:
     return out
 
 
-def per_tensor_stats(tensors: List[torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+def per_tensor_stats(tensors: List[torch.Tensor], device: torch.device,
+                     nonfinite_counts: bool = True) -> Dict[str, torch.Tensor]:
     """Per-tensor sufficient statistics of gradients, as vectors [len(tensors)] on `device`.
 
     sq = sum g^2 and max = max g via torch._foreach_norm / _foreach_max per (device, dtype); sum = sum g,
     min = min g and the counts zeros = #(g == 0), nans = #isnan(g), infs = #isinf(g) take one reduction per
     tensor (no foreach op computes them). Floats are float32, counts int64; no host sync. Empty tensors give
     sq = sum = 0, min = +inf, max = -inf: the identities of the pooling in `pool_stats`.
+    nonfinite_counts=False leaves nans = infs = 0, two passes fewer: right whenever every sum comes out
+    finite (a NaN or an Inf makes the sum non-finite), so a caller can count again only when one does not.
     """
     n = len(tensors)
     out = {"sq": torch.zeros(n, dtype=torch.float32, device=device),
@@ -731,8 +734,8 @@ def per_tensor_stats(tensors: List[torch.Tensor], device: torch.device) -> Dict[
         per["sum"].append(t.sum(dtype=torch.float32).to(device))
         per["min"].append(t.amin().float().to(device))
         per["zeros"].append((t.numel() - torch.count_nonzero(t)).to(device))  # NaN is not zero
-        per["nans"].append(torch.count_nonzero(t.isnan()).to(device))
-        per["infs"].append(torch.count_nonzero(t.isinf()).to(device))
+        per["nans"].append(torch.count_nonzero(t.isnan()).to(device) if nonfinite_counts else zero_i)
+        per["infs"].append(torch.count_nonzero(t.isinf()).to(device) if nonfinite_counts else zero_i)
     for k, values in per.items():
         out[k] = torch.stack(values) if values else torch.zeros(0, device=device)
     out["numel"] = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)
@@ -1172,6 +1175,9 @@ class TrainingTelemetry:
 
     Call `on_batch_end` after `optimizer.step()` and before `zero_grad()`. Errors inside a metric are
     recorded in the record's `errors` and warned about once; training never sees them unless `strict`.
+    Alerts (loss/gradient spikes, NaN/Inf, LR 0, frozen groups) are logged to logging.getLogger("telemetry")
+    when they start and passed to `on_alert(alert)` (a constructor argument or attribute); what on_alert
+    raises reaches the training loop, e.g. to stop it. `add_metric(name, fn)` records your own metrics.
     """
 
     def __init__(self, config: Optional[TelemetryConfig] = None, on_alert: Optional[Callable] = None,
@@ -2010,6 +2016,8 @@ class TrainingTelemetry:
                     ratio[group] = None  # ||W|| = 0 (a zero-initialised layer): no ratio, not an Inf
         if layout is not None and _has_nonfinite(record):  # rare: one more pass names the culprits
             self._add(record, errors, "nonfinite_params", self._nonfinite_params, layout)
+            if "layer_stats" in record and not self._collective:
+                self._add(record, errors, "layer_stats", lambda: to_host(self._layer_stats(layout, True)))
         if self.config.alerts:
             self._add(record, errors, "alerts", self._alerts, record)
 
@@ -2110,7 +2118,8 @@ class TrainingTelemetry:
         self._rows[by] = (layout, rows, torch.tensor(as_list, dtype=torch.long, device=device), as_list)
         return self._rows[by][1:]
 
-    def _layer_stats(self, layout: _Layout) -> Optional[Dict[str, Any]]:
+    def _layer_stats(self, layout: _Layout, nonfinite_counts: bool = False) -> Optional[Dict[str, Any]]:
+        # NaN/Inf counts are 0 unless some statistic is non-finite: _after_host then counts them for real.
         if not layout.params:
             return None
         if self._collective:
@@ -2124,7 +2133,7 @@ class TrainingTelemetry:
         pooled, with_grad = None, {as_list[i] for i in present}
         if present:
             stats = per_tensor_stats([grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in present],
-                                     device)
+                                     device, nonfinite_counts)
             pooled = pool_stats(stats, index[present], len(rows) + 1)
         out = {}
         for r, row in enumerate(rows):
@@ -2188,7 +2197,9 @@ class TrainingTelemetry:
             if len(history) >= MIN_ALERT_HISTORY:
                 median = statistics.median(history)
                 z = robust_z(history, norm)
-                if median > 0 and norm > cfg.alert_explosion_factor * median:
+                # An explosion is a spike that is also an order of magnitude: late in training gradient norms
+                # are heavy-tailed (one hard batch among fitted ones), and that alone is not one.
+                if z > cfg.alert_spike_threshold and norm > cfg.alert_explosion_factor * median > 0:
                     hold("grad_explosion", "critical", f"gradient norm {norm:.4g} is {norm / median:.0f}x its "
                                                        f"rolling median {median:.4g}")
                 elif z > cfg.alert_spike_threshold:
