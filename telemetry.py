@@ -41,6 +41,15 @@ SCHEMA_VERSION = 1
 RECORDS_FILE = "telemetry.jsonl"
 RUN_FILE = "run.json"
 REFERENCE_FILE = "last_checkpoint.safetensors"
+INITIAL_FILE = "initial_weights.safetensors"  # W_0 of drift, written once
+# Record keys that user scalars passed to on_batch_end may not take.
+_SECTION_KEYS = {"gradient_norm", "weight_delta", "learning_rates", "holdout_logits", "batch_stats",
+                 "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
+                 "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
+                 "sparse_quality", "alerts", "system", "custom", "grad_scaler"}
+_GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
+MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
+_LOGGER = logging.getLogger("telemetry")
 IGNORE_INDEX = -100  # label value that HF losses skip (padding, prompt tokens)
 # Dict keys tried, in order, when the config names no label key; "winner" is the seed's pairwise label.
 LABEL_KEYS = ("labels", "label", "winner", "target", "targets", "y")
@@ -700,6 +709,17 @@ def _buckets(tensors: List[torch.Tensor]) -> Dict[Any, List[int]]:
     for i, t in enumerate(tensors):
         if t.numel():  # foreach max/inf-norm have no identity for empty tensors
             out.setdefault((t.device, t.dtype), []).append(i)
+    return out
+
+
+def layer_entries(rows: List[str], pooled: Optional[Dict[str, torch.Tensor]], with_grad: set,
+                  weight_norm: torch.Tensor) -> Dict[str, Any]:
+    """The layer_stats section: pooled gradient statistics per row (None where no gradient), plus weight norm."""
+    out = {}
+    for r, row in enumerate(rows):
+        entry = {k: (pooled[k][r] if pooled is not None and r in with_grad else None) for k in _GRAD_STATS}
+        entry["weight_norm"] = weight_norm[r]
+        out[row] = entry
     return out
 
 
@@ -1632,12 +1652,7 @@ class TrainingTelemetry:
         with_grad = {int(index[i]) for i in present}
         weight_norm = torch.zeros(len(rows) + 1, dtype=torch.float64).index_add_(
             0, index, got["weight_sq"].double()).sqrt()
-        out = {}
-        for r, row in enumerate(rows):
-            entry = {k: (pooled[k][r] if pooled is not None and r in with_grad else None) for k in _GRAD_STATS}
-            entry["weight_norm"] = weight_norm[r]
-            out[row] = entry
-        return out
+        return layer_entries(rows, pooled, with_grad, weight_norm)
 
     def _gradient_rows(self, layout: _Layout, optimizer: Any, pre_step: bool) -> tuple:
         """(||g||^2 of this rank's part of each gradient, unscaled, on its device; 1.0 where a gradient
@@ -2135,12 +2150,7 @@ class TrainingTelemetry:
             stats = per_tensor_stats([grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in present],
                                      device, nonfinite_counts)
             pooled = pool_stats(stats, index[present], len(rows) + 1)
-        out = {}
-        for r, row in enumerate(rows):
-            entry = {k: (pooled[k][r] if pooled is not None and r in with_grad else None) for k in _GRAD_STATS}
-            entry["weight_norm"] = weight_norm[r]
-            out[row] = entry
-        return out
+        return layer_entries(rows, pooled, with_grad, weight_norm)
 
     def _nonfinite_params(self, layout: _Layout) -> Optional[List[str]]:
         """Names of the trainable tensors whose weights or gradients hold NaN/Inf (one pass, one transfer)."""
@@ -2648,14 +2658,6 @@ class TrainingTelemetry:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-_SECTION_KEYS = {"gradient_norm", "weight_delta", "learning_rates", "holdout_logits", "batch_stats",
-                 "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
-                 "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
-                 "sparse_quality", "alerts", "system", "custom", "grad_scaler"}
-INITIAL_FILE = "initial_weights.safetensors"  # W_0 of drift, written once
-_GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
-MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
-_LOGGER = logging.getLogger("telemetry")
 
 
 def _finite_number(value: Any) -> bool:

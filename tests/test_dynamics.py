@@ -24,16 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAD_KEYS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models: with 2 cores shared with other processes, OpenMP threads mostly spin against each other
-    # (the healthy example takes 75 s instead of 5 s). Restored after each test.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def config(run_dir, **overrides):
     base = dict(output_dir=str(run_dir), collect_every_n=1, strict=True)
     return TelemetryConfig(**{**base, **overrides})

@@ -26,15 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Models this small run several times faster on one thread, and the CI machine has two cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

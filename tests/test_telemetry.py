@@ -61,6 +61,16 @@ def train_step(model, optimizer, x=None, y=None):
     return loss, (x, y)
 
 
+def train_collecting(tel, model, optimizer, steps):
+    """Train and collect every step; returns every warning raised, repeats included."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            train_step(model, optimizer)
+            tel.on_batch_end(model, optimizer, 0, 0)
+    return caught
+
+
 # ---- config ---------------------------------------------------------------------------------------
 
 
@@ -475,11 +485,7 @@ def test_metric_errors_are_recorded_and_warned_once_or_raised_when_strict(tmp_pa
 
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "lenient"), collect_every_n=1))
     tel.set_holdout_data([(torch.randn(2, 8), torch.tensor([0, 1]))], forward=broken_forward)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            train_step(model, optimizer)
-            tel.on_batch_end(model, optimizer, 0, 0)
+    caught = train_collecting(tel, model, optimizer, steps=3)
     relevant = [w for w in caught if "holdout_logits failed" in str(w.message)]
     assert len(relevant) == 1
     records = read_records(tmp_path / "lenient")
@@ -502,11 +508,7 @@ def test_full_disk_warns_once_and_training_goes_on(tmp_path):
     os.symlink("/dev/full", run / "last_checkpoint.safetensors.tmp")
     model, optimizer, _ = make_run(tmp_path)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            train_step(model, optimizer)
-            tel.on_batch_end(model, optimizer, 0, 0)
+    caught = train_collecting(tel, model, optimizer, steps=3)
     disk = [w for w in caught if "cannot write" in str(w.message)]
     assert len(disk) == 1 and "training goes on" in str(disk[0].message)
     assert not (run / "last_checkpoint.safetensors").exists()
