@@ -1032,7 +1032,9 @@ def stream_tensor_chunks(path: str, names: List[str]):
     a reference of any size adds CHUNK_BYTES to the process's memory, not the model's size.
     """
     header, base = read_tensor_header(path)
-    buf = bytearray(CHUNK_BYTES)
+    # Never bigger than the largest tensor: a small model should not pay for zeroing a 4 MiB buffer.
+    largest = max((header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n in names), default=0)
+    buf = bytearray(max(min(CHUNK_BYTES, largest), 8))
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns about sharing a writable buffer
