@@ -1051,21 +1051,6 @@ def stream_tensor_chunks(path: str, names: List[str]):
                 yield i, start, torch.frombuffer(buf, dtype=dtype, count=n)
 
 
-def streamed_sq_distances(named: List[tuple], reference_path: str) -> torch.Tensor:
-    """||w - w_ref||^2 per tensor against a reference file, in float32, one chunk in memory at a time."""
-    flats = [w.detach().reshape(-1) for _, w in named]
-    totals = [torch.zeros((), dtype=torch.float32, device=w.device) for w in flats]
-    scratch: Dict[Any, torch.Tensor] = {}
-    for i, start, ref in stream_tensor_chunks(reference_path, [n for n, _ in named]):
-        w = flats[i][start:start + ref.numel()]
-        out = scratch.get(w.device)
-        if out is None:
-            out = scratch[w.device] = torch.empty(CHUNK_BYTES // 2, dtype=torch.float32, device=w.device)
-        diff = torch.sub(w.float(), ref.to(w.device, non_blocking=True).float(), out=out[:ref.numel()])
-        totals[i] += torch.dot(diff, diff)
-    return torch.stack(totals) if totals else torch.zeros(0)
-
-
 def _negatives(signs: torch.Tensor) -> torch.Tensor:
     # #(x == -1) for x in {-1, 0, 1}: (sum x^2 - sum x) / 2; float32 sums of +-1 are exact below 2^24.
     if signs.numel() > 1 << 24:
@@ -1084,7 +1069,7 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     With w the current weights, r the reference (previous collection) and w0 the initial weights, for each
     tensor, as vectors [len(named)] on the first weight's device:
       weight_sq = ||w||^2;  delta_sq = ||w - r||^2 (with reference_path);  drift_sq = ||w - w0||^2 (with
-      initial_path) -- float32, as in streamed_sq_distances;
+      initial_path) -- float32;
     with detail and reference_path, for d = w - r:
       l1 = sum |d|, sum = sum d, max_abs = max |d| (float64; float32 on mps);
       flips = #(sign w * sign r < 0), below[k] = #(|d| <= thresholds[k]),
@@ -1709,6 +1694,16 @@ class TrainingTelemetry:
         scale = self._scaler._get_scale_async()
         return {"scale": scale if scale is not None else self._scaler.get_scale(), "skipped_steps": self._skipped}
 
+    def _usable_reference(self, named: List[tuple]) -> Optional[str]:
+        """The weight reference on disk when it holds exactly these tensors (this rank's parts, if sharded)."""
+        if not os.path.exists(self.checkpoint_file) or self._no_writes:
+            return None
+        if reference_matches(self.checkpoint_file, named):
+            return self.checkpoint_file
+        self._warn_once("reference", "telemetry: the weight reference on disk does not match the trainable "
+                                     "parameters (this rank's part of them, when sharded); the delta restarts here")
+        return None
+
     def _weight_delta(self, layout: _Layout) -> Dict[str, Any]:
         """The delta; the same streamed pass (each reference read once) leaves in self._changes what
         update_ratio, drift, weight_norm, param_change and sparse_quality need, then the reference is rewritten."""
@@ -1718,13 +1713,7 @@ class TrainingTelemetry:
         if self._collective:
             return self._weight_delta_sharded(layout, named)
         delta: Dict[str, Any] = {"overall": None, **{g: None for g in layout.group_names}}
-        reference = None
-        if os.path.exists(self.checkpoint_file):
-            if reference_matches(self.checkpoint_file, named):
-                reference = self.checkpoint_file
-            else:
-                self._warn_once("reference", "telemetry: the weight reference on disk does not match the "
-                                             "model's trainable parameters; the delta restarts from here")
+        reference = self._usable_reference(named)
         initial = self._initial_reference(named) if cfg.track_update_ratio else None
         detail = cfg.track_param_change or cfg.track_sparse_quality
         thresholds = sorted(set(cfg.param_change_thresholds) | set(cfg.sparse_quality_thresholds)) if detail else []
@@ -1770,13 +1759,7 @@ class TrainingTelemetry:
         keys = list(shapes)
 
         def local():
-            reference = None
-            if os.path.exists(self.checkpoint_file) and not self._no_writes:
-                if reference_matches(self.checkpoint_file, named):
-                    reference = self.checkpoint_file
-                else:
-                    self._warn_once("reference", "telemetry: this rank's weight reference does not match its "
-                                                 "part of the parameters; the delta restarts from here")
+            reference = self._usable_reference(named)
             initial = self._initial_reference(named) if cfg.track_update_ratio else None
             changes = streamed_weight_changes(named, reference, initial, thresholds, rel, detail)
             self._write_file(write_tensor_file, self.checkpoint_file, named)
