@@ -265,15 +265,50 @@ def test_bf16_delta_is_computed_in_float32(tmp_path):
     assert rec["weight_delta"]["overall"] == pytest.approx(expect, rel=1e-5)
 
 
-def test_streaming_reads_one_tensor_at_a_time(tmp_path):
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_streaming_returns_the_tensors_written(tmp_path):
     path = str(tmp_path / "ref.safetensors")
-    tensors = [("big", torch.randn(1000)), ("small", torch.randn(10)), ("mid", torch.randn(100, 3))]
+    tensors = [("big", torch.randn(1000)), ("empty", torch.zeros(0)), ("half", torch.randn(7, 3).half()),
+               ("mid", torch.randn(100, 3))]
     telemetry.write_tensor_file(path, tensors)
-    storages = set()
-    for (name, t), got in zip(tensors, telemetry.stream_tensor_file(path, [n for n, _ in tensors])):
-        assert torch.equal(got, t)
-        storages.add(got.untyped_storage().data_ptr())
-    assert len(storages) == 1  # one reused buffer, sized for the largest tensor
+    got = list(telemetry.stream_tensor_file(path, [n for n, _ in tensors]))
+    assert all(torch.equal(g, t) and g.dtype == t.dtype for (_, t), g in zip(tensors, got))
+    chunks = list(telemetry.stream_tensor_chunks(path, ["mid", "big"]))
+    assert torch.equal(torch.cat([c for i, _, c in chunks if i == 1]), tensors[0][1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or not telemetry._CAN_RELEASE_PAGES,
+                    reason="needs Linux RSS accounting and madvise")
+def test_streaming_keeps_rss_near_one_piece_not_the_file(tmp_path):
+    """Reading a 64 MiB reference raises the process's RSS (as the OS counts it) by about one tensor for
+    whole tensors, and about one chunk for chunks, never by the file's size."""
+    path = str(tmp_path / "ref.safetensors")
+    mib = 1 << 20
+    telemetry.write_tensor_file(path, [(f"t{i}", torch.full((2 * mib,), float(i))) for i in range(8)])  # 8 x 8 MiB
+    names = [f"t{i}" for i in range(8)]
+    base, peak = _rss_bytes(), 0
+    for i, t in enumerate(telemetry.stream_tensor_file(path, names)):
+        assert t.sum().item() == 2 * mib * i  # every page read
+        peak = max(peak, _rss_bytes() - base)
+    assert peak < 20 * mib
+    base, peak = _rss_bytes(), 0
+    for _, _, chunk in telemetry.stream_tensor_chunks(path, names):
+        chunk.sum()
+        peak = max(peak, _rss_bytes() - base)
+    assert peak < 3 * telemetry.CHUNK_BYTES
+
+
+def test_truncated_reference_is_refused_not_mapped(tmp_path):
+    path = str(tmp_path / "ref.safetensors")
+    telemetry.write_tensor_file(path, [("a", torch.randn(4096))])
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(ValueError, match="truncated"):
+        telemetry.map_tensor_file(path, ["a"])
 
 
 def test_resume_appends_and_uses_the_reference_on_disk(tmp_path):
