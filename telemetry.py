@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import difflib
 import fnmatch
+import functools
 import json
 import logging
 import math
@@ -58,8 +59,10 @@ IGNORE_INDEX = -100  # label value that HF losses skip (padding, prompt tokens)
 LABEL_KEYS = ("labels", "label", "winner", "target", "targets", "y")
 MAX_LOGGED_CLASSES = 64  # above this, holdout logits are summarised instead of stored per class
 MAX_BALANCE_VALUES = 32  # above this many distinct labels, batch balance is summarised
-CHUNK_BYTES = 4 << 20  # the reference is streamed in pieces this big: fits in cache, bounds extra memory
+CHUNK_BYTES = 2 << 20  # files are streamed in pieces this big: a few per thread stay in cache and bound extra RSS
 # Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
+PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this runs on one thread
+MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
 _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
 
 
@@ -264,7 +267,12 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
         buckets.setdefault((t.device, t.dtype), []).append(i)
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     for (dev, _), idx in buckets.items():
-        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=torch.float32)
+        bucket = [tensors[i] for i in idx]
+        # Large CPU buckets are cut into runs of whole tensors, one _foreach_norm per thread.
+        runs = _split_evenly([(k, 0, t.numel()) for k, t in enumerate(bucket)], _pass_threads(bucket))
+        norms = [norm for part in _concurrently(*[
+            lambda run=run: torch._foreach_norm([bucket[k] for k, *_ in run], 2, dtype=torch.float32)
+            for run in runs]) for norm in part]
         sq = torch.stack(norms).square().to(device)
         out[torch.tensor(idx, device=device)] = sq
     return out
@@ -956,7 +964,7 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                     for chunk in _host_chunks(t.detach()):
                         f.write(chunk)
 
-            result = _alongside(write_data, meanwhile) if meanwhile is not None else write_data()
+            result = _concurrently(meanwhile, write_data)[0] if meanwhile is not None else write_data()
         if os.path.exists(path):
             _replace_keeping_old(target, path, spare)
         else:
@@ -970,26 +978,53 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     return result
 
 
-def _alongside(background: Callable[[], Any], foreground: Callable[[], Any]) -> Any:
-    """foreground() while background() runs on a thread of its own; foreground's result once both are done.
-    An error of either is raised after both have stopped (the foreground's first)."""
-    failure: List[BaseException] = []
+def _concurrently(*calls: Callable[[], Any]) -> List[Any]:
+    """[call() for call in calls], the first on this thread and each other on a thread of its own. An error
+    is raised once all have stopped (the first, in the order of `calls`)."""
+    results: List[Any] = [None] * len(calls)
+    failures: List[Optional[BaseException]] = [None] * len(calls)
 
-    def run():
+    def run(k):
         try:
-            background()
+            results[k] = calls[k]()
         except BaseException as exc:  # handed to the caller below
-            failure.append(exc)
+            failures[k] = exc
 
-    thread = threading.Thread(target=run, name="telemetry-write", daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=run, args=(k,), name="telemetry", daemon=True) for k in range(1, len(calls))]
+    for thread in threads:
+        thread.start()
     try:
-        result = foreground()
+        run(0)
     finally:
-        thread.join()
-    if failure:
-        raise failure[0]
-    return result
+        for thread in threads:
+            thread.join()
+    for failure in failures:
+        if failure is not None:
+            raise failure
+    return results
+
+
+def _pass_threads(tensors: List[torch.Tensor]) -> int:
+    """Threads for a memory-bound pass over these tensors: one per core (at most MAX_PASS_THREADS) for CPU
+    tensors of PARALLEL_PASS_BYTES or more, else one. Each runs single-threaded torch ops, so a busy core
+    slows its share down but never stalls the others as a blocked OpenMP team would."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return 1
+    if sum(t.numel() * t.element_size() for t in tensors) < PARALLEL_PASS_BYTES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_PASS_THREADS))
+
+
+def _split_evenly(chunks: List[tuple], parts: int) -> List[List[tuple]]:
+    """(tensor, start, n) chunks cut into `parts` runs of consecutive chunks with about equal elements."""
+    total = sum(n for *_, n in chunks)
+    out: List[List[tuple]] = [[] for _ in range(max(parts, 1))]
+    done = 0
+    for chunk in chunks:
+        out[min(done * len(out) // max(total, 1), len(out) - 1)].append(chunk)
+        done += chunk[-1]
+    return [part for part in out if part] or [[]]
 
 
 def _replace_keeping_old(new: str, path: str, spare: str) -> None:
@@ -1131,34 +1166,36 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     # Both files hold the same names, shapes and dtypes as the weights (reference_matches), so chunks line up.
     refs, release_ref = map_tensor_file(reference_path, names) if reference_path else (None, None)
     inits, release_init = map_tensor_file(initial_path, names) if initial_path else (None, None)
-    scratch: Dict[Any, torch.Tensor] = {}
-
-    def buffer(slot, dev, n, dtype=torch.float32):
-        buf = scratch.get((slot, dev))
-        if buf is None or buf.numel() < n:
-            buf = scratch[(slot, dev)] = torch.empty(n, dtype=dtype, device=dev)
-        return buf[:n]
-
-    def as_float(x, slot, dev):  # float32 on dev, copied (and converted) only when it is not already
-        return x if x.dtype == torch.float32 and x.device == dev else buffer(slot, dev, x.numel()).copy_(x)
+    chunks = [(i, start, min(per_chunk, w.numel() - start)) for i, w in enumerate(flats)
+              for per_chunk in [max(CHUNK_BYTES // w.element_size(), 1)] for start in range(0, w.numel(), per_chunk)]
 
     def zeros(dtype, dev, *shape):
         return torch.zeros(shape, dtype=dtype, device=dev)
 
-    keys = ["weight_sq"] + (["delta_sq"] if reference_path else []) + (["drift_sq"] if initial_path else [])
-    acc = {k: [zeros(torch.float32, w.device) for w in flats] for k in keys}
-    if detail:
-        for k in ("l1", "sum", "max_abs"):
-            acc[k] = [zeros(wide, w.device) for w in flats]
-        acc["flips"] = [zeros(torch.int64, w.device) for w in flats]
-        acc["below"] = [zeros(torch.int64, w.device, len(thresholds)) for w in flats]
-        acc["below_rel"] = [zeros(torch.int64, w.device, len(rel_thresholds)) for w in flats]
-    for i, w in enumerate(flats):
-        dev = w.device
-        per_chunk = max(CHUNK_BYTES // w.element_size(), 1)
-        for start in range(0, w.numel(), per_chunk):
-            n = min(per_chunk, w.numel() - start)
-            wc = as_float(w[start:start + n], "w", dev)
+    def accumulate(part: List[tuple]) -> Dict[str, List[torch.Tensor]]:
+        """The sums over some of the chunks, with scratch buffers of its own (it may run on a thread)."""
+        scratch: Dict[Any, torch.Tensor] = {}
+
+        def buffer(slot, dev, n, dtype=torch.float32):
+            buf = scratch.get((slot, dev))
+            if buf is None or buf.numel() < n:
+                buf = scratch[(slot, dev)] = torch.empty(n, dtype=dtype, device=dev)
+            return buf[:n]
+
+        def as_float(x, slot, dev):  # float32 on dev, copied (and converted) only when it is not already
+            return x if x.dtype == torch.float32 and x.device == dev else buffer(slot, dev, x.numel()).copy_(x)
+
+        keys = ["weight_sq"] + (["delta_sq"] if refs is not None else []) + (["drift_sq"] if inits is not None else [])
+        acc = {k: [zeros(torch.float32, w.device) for w in flats] for k in keys}
+        if detail:
+            for k in ("l1", "sum", "max_abs"):
+                acc[k] = [zeros(wide, w.device) for w in flats]
+            acc["flips"] = [zeros(torch.int64, w.device) for w in flats]
+            acc["below"] = [zeros(torch.int64, w.device, len(thresholds)) for w in flats]
+            acc["below_rel"] = [zeros(torch.int64, w.device, len(rel_thresholds)) for w in flats]
+        for i, start, n in part:
+            dev = flats[i].device
+            wc = as_float(flats[i][start:start + n], "w", dev)
             acc["weight_sq"][i] += torch.dot(wc, wc)
             if refs is not None:
                 rc = as_float(refs[i].view(-1)[start:start + n], "r", dev)
@@ -1186,6 +1223,12 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
                 d0 = torch.sub(wc, as_float(inits[i].view(-1)[start:start + n], "r0", dev), out=buffer("d", dev, n))
                 acc["drift_sq"][i] += torch.dot(d0, d0)
                 release_init(i, start, n)
+        return acc
+
+    parts = _split_evenly(chunks, _pass_threads(flats))
+    accs = _concurrently(*[lambda part=part: accumulate(part) for part in parts])
+    acc = {k: [functools.reduce(torch.maximum if k == "max_abs" else torch.add, per_tensor)
+               for per_tensor in zip(*(a[k] for a in accs))] for k in accs[0]}
     out = {k: torch.stack([v.to(device) for v in values]) for k, values in acc.items()}
     for key in ("below", "below_rel"):
         if key in out:
@@ -1788,8 +1831,9 @@ class TrainingTelemetry:
 
     def _stream_while_writing(self, named: List[tuple], stream: Callable[[], Dict[str, torch.Tensor]]) -> Dict:
         """stream() (the pass over the old reference) while the new reference is written: side by side when
-        the weights are on the CPU (measured on two cores, 50M parameters: 114 -> 9x ms a collection). The
-        old file is replaced only after both, and a failed write (full disk) keeps stream()'s result."""
+        the weights are on the CPU, where both are memory-bound and would leave a core idle in turn (50M
+        parameters on two cores: 127 -> 100 ms a collection). The old file is replaced only after both, and a
+        failed write (full disk) keeps stream()'s result."""
         result: List[Dict[str, torch.Tensor]] = []
         if all(t.device.type == "cpu" for _, t in named):
             self._write_file(write_tensor_file, self.checkpoint_file, named, lambda: result.append(stream()))

@@ -10,3 +10,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=[1, 3], ids=["one-thread", "three-threads"])
+def pass_threads(request, monkeypatch):
+    """Runs a test with the memory-bound passes on one thread, and again split over three threads in small
+    chunks, whatever the model's size, so the split and the combination of the parts are what is tested."""
+    import telemetry
+
+    if request.param > 1:
+        monkeypatch.setattr(telemetry, "CHUNK_BYTES", 256)
+        monkeypatch.setattr(telemetry, "_pass_threads",
+                            lambda tensors: request.param if all(t.device.type == "cpu" for t in tensors) else 1)
+    return request.param

@@ -184,7 +184,7 @@ def test_nonfinite_params_are_named_counted_and_alerted_once(tmp_path, caplog):
 # ---- update ratio, drift, weight norm --------------------------------------------------------------
 
 
-def test_update_ratio_drift_and_weight_norm_match_weight_copies(tmp_path):
+def test_update_ratio_drift_and_weight_norm_match_weight_copies(tmp_path, pass_threads):
     torch.manual_seed(0)
     model = Blocks()
     body = [n for n in snapshot(model) if not n.startswith("head")]
@@ -307,7 +307,7 @@ class TinyTransformer(nn.Module):
         return self.head(h.mean(1))
 
 
-def test_param_change_statistics_match_numpy(tmp_path):
+def test_param_change_statistics_match_numpy(tmp_path, pass_threads):
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

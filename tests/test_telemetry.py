@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -125,7 +126,7 @@ def test_every_config_field_is_documented_in_the_yaml():
 # ---- gradient norms -------------------------------------------------------------------------------
 
 
-def test_gradient_norms_match_get_total_norm_and_groups_add_up(tmp_path):
+def test_gradient_norms_match_get_total_norm_and_groups_add_up(tmp_path, pass_threads):
     model, optimizer, tel = make_run(tmp_path)
     loss, _ = train_step(model, optimizer)
     rec = tel.on_batch_end(model, optimizer, 0, 0, loss=loss)
@@ -155,7 +156,7 @@ def test_config_groups_by_name_pattern(tmp_path):
     assert info["groups"]["first"]["names"] == ["backbone.0.weight", "backbone.0.bias"]
 
 
-def test_half_precision_gradients_are_normed_in_float32(tmp_path):
+def test_half_precision_gradients_are_normed_in_float32(tmp_path, pass_threads):
     model = nn.Linear(64, 64).to(torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
@@ -302,6 +303,24 @@ def test_streaming_keeps_rss_near_one_piece_not_the_file(tmp_path):
     assert peak < 3 * telemetry.CHUNK_BYTES
 
 
+def test_concurrently_returns_in_order_and_raises_after_all_stopped():
+    finished = []
+
+    def slow_ok():
+        time.sleep(0.05)
+        finished.append("slow")
+        return 2
+
+    def failing():
+        raise KeyError("boom")
+
+    assert telemetry._concurrently(lambda: 1, slow_ok, lambda: 3) == [1, 2, 3]
+    finished.clear()
+    with pytest.raises(KeyError):
+        telemetry._concurrently(failing, slow_ok)
+    assert finished == ["slow"]  # the other thread was waited for, not abandoned
+
+
 def test_truncated_reference_is_refused_not_mapped(tmp_path):
     path = str(tmp_path / "ref.safetensors")
     telemetry.write_tensor_file(path, [("a", torch.randn(4096))])
@@ -311,7 +330,7 @@ def test_truncated_reference_is_refused_not_mapped(tmp_path):
         telemetry.map_tensor_file(path, ["a"])
 
 
-def test_resume_appends_and_uses_the_reference_on_disk(tmp_path):
+def test_resume_appends_and_uses_the_reference_on_disk(tmp_path, pass_threads):
     model, optimizer, tel = make_run(tmp_path)
     for _ in range(2):
         train_step(model, optimizer)
