@@ -1830,12 +1830,12 @@ class TrainingTelemetry:
         return delta
 
     def _stream_while_writing(self, named: List[tuple], stream: Callable[[], Dict[str, torch.Tensor]]) -> Dict:
-        """stream() (the pass over the old reference) while the new reference is written: side by side when
-        the weights are on the CPU, where both are memory-bound and would leave a core idle in turn (50M
-        parameters on two cores: 127 -> 100 ms a collection). The old file is replaced only after both, and a
-        failed write (full disk) keeps stream()'s result."""
+        """stream() (the pass over the old reference) while the new reference is written: side by side for
+        large CPU models (see _pass_threads), where both are memory-bound and would leave a core idle in turn
+        (50M parameters on two cores: 127 -> 100 ms a collection). The old file is replaced only after both,
+        and a failed write (full disk) keeps stream()'s result."""
         result: List[Dict[str, torch.Tensor]] = []
-        if all(t.device.type == "cpu" for _, t in named):
+        if _pass_threads([t for _, t in named]) > 1:  # large CPU models: a thread costs more than small ones save
             self._write_file(write_tensor_file, self.checkpoint_file, named, lambda: result.append(stream()))
         else:
             result.append(stream())
