@@ -2055,7 +2055,7 @@ class TrainingTelemetry:
             stream = stream_tensor_file(self.checkpoint_file, wanted)
             try:
                 for *_, a, b, _ in found:
-                    # copy=True: the stream reads every tensor into one reused buffer
+                    # copy=True: the stream's tensors map a file that a later reference write overwrites in place
                     yield tuple(next(stream).to(p.device, copy=True) if id(p) in name_of else p for p in (a, b))
             finally:
                 stream.close()
