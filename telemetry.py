@@ -268,12 +268,22 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     for (dev, _), idx in buckets.items():
         bucket = [tensors[i] for i in idx]
-        # Large CPU buckets are cut into runs of whole tensors, one _foreach_norm per thread.
-        runs = _split_evenly([(k, 0, t.numel()) for k, t in enumerate(bucket)], _pass_threads(bucket))
-        norms = [norm for part in _concurrently(*[
-            lambda run=run: torch._foreach_norm([bucket[k] for k, *_ in run], 2, dtype=torch.float32)
-            for run in runs]) for norm in part]
-        sq = torch.stack(norms).square().to(device)
+        threads = _pass_threads(bucket)
+        if threads == 1:
+            sq = torch.stack(torch._foreach_norm(bucket, 2, dtype=torch.float32)).square()
+        else:  # a large CPU bucket: each thread norms an equal share of pieces of the tensors, then they add up
+            owner, pieces = [], []
+            for k, t in enumerate(bucket):
+                parts = t.view(-1).chunk(threads) if t.is_contiguous() and t.numel() else [t]
+                owner += [k] * len(parts)
+                pieces += parts
+            runs = _split_evenly([(j, 0, piece.numel()) for j, piece in enumerate(pieces)], threads)
+            norms = [norm for part in _concurrently(*[
+                lambda run=run: torch._foreach_norm([pieces[j] for j, *_ in run], 2, dtype=torch.float32)
+                for run in runs]) for norm in part]
+            sq = torch.zeros(len(bucket), dtype=torch.float32, device=dev).index_add_(
+                0, torch.tensor(owner, device=dev), torch.stack(norms).square())
+        sq = sq.to(device)
         out[torch.tensor(idx, device=device)] = sq
     return out
 
