@@ -60,9 +60,9 @@ LABEL_KEYS = ("labels", "label", "winner", "target", "targets", "y")
 MAX_LOGGED_CLASSES = 64  # above this, holdout logits are summarised instead of stored per class
 MAX_BALANCE_VALUES = 32  # above this many distinct labels, batch balance is summarised
 CHUNK_BYTES = 2 << 20  # files are streamed in pieces this big: a few per thread stay in cache and bound extra RSS
-# Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
 PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this runs on one thread
 MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
+# Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
 _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
 
 
@@ -1107,17 +1107,15 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     views, offsets, itemsizes = [], [], []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for meta in metas:
-            dtype = _CODE_DTYPES[meta["dtype"]]
-            begin, end = meta["data_offsets"]
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            flat = (torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // itemsize, offset=base + begin)
-                    if end > begin else torch.empty(0, dtype=dtype))
-            views.append(flat.view(meta["shape"]))
-            offsets.append(base + begin)
-            itemsizes.append(itemsize)
+    for meta in metas:
+        dtype = _CODE_DTYPES[meta["dtype"]]
+        begin, end = meta["data_offsets"]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        flat = (torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // itemsize, offset=base + begin)
+                if end > begin else torch.empty(0, dtype=dtype))
+        views.append(flat.view(meta["shape"]))
+        offsets.append(base + begin)
+        itemsizes.append(itemsize)
 
     def release(i: int, start: int, n: int) -> None:
         if n > 0 and _CAN_RELEASE_PAGES:
