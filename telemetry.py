@@ -1105,7 +1105,11 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
     if base + max((m["data_offsets"][1] for m in metas), default=0) > os.path.getsize(path):
         raise ValueError(f"{path} is shorter than its header says (truncated)")
     with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            mapped: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):  # a filesystem that cannot map: read it whole, correct but not lean
+            mapped = bytearray(f.read())
+    releasable = _CAN_RELEASE_PAGES and not isinstance(mapped, bytearray)
     views, offsets, itemsizes = [], [], []
     for meta in metas:
         dtype = _CODE_DTYPES[meta["dtype"]]
@@ -1118,7 +1122,7 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
         itemsizes.append(itemsize)
 
     def release(i: int, start: int, n: int) -> None:
-        if n > 0 and _CAN_RELEASE_PAGES:
+        if n > 0 and releasable:
             first = (offsets[i] + start * itemsizes[i]) // mmap.PAGESIZE * mmap.PAGESIZE
             mapped.madvise(mmap.MADV_DONTNEED, first, offsets[i] + (start + n) * itemsizes[i] - first)
 

@@ -321,6 +321,21 @@ def test_concurrently_returns_in_order_and_raises_after_all_stopped():
     assert finished == ["slow"]  # the other thread was waited for, not abandoned
 
 
+def test_streaming_works_where_files_cannot_be_mapped(tmp_path, monkeypatch):
+    path = str(tmp_path / "ref.safetensors")
+    tensors = [("a", torch.randn(300)), ("b", torch.randn(4, 5).double())]
+    telemetry.write_tensor_file(path, tensors)
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what mmap raises on a filesystem without it
+
+    monkeypatch.setattr(telemetry.mmap, "mmap", refuse)
+    got = list(telemetry.stream_tensor_file(path, ["a", "b"]))
+    assert all(torch.equal(g, t) for (_, t), g in zip(tensors, got))
+    chunks = [c for _, _, c in telemetry.stream_tensor_chunks(path, ["a"])]
+    assert torch.equal(torch.cat(chunks), tensors[0][1])
+
+
 def test_truncated_reference_is_refused_not_mapped(tmp_path):
     path = str(tmp_path / "ref.safetensors")
     telemetry.write_tensor_file(path, [("a", torch.randn(4096))])
