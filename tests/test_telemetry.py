@@ -301,6 +301,14 @@ def test_streaming_keeps_rss_near_one_piece_not_the_file(tmp_path):
         chunk.sum()
         peak = max(peak, _rss_bytes() - base)
     assert peak < 3 * telemetry.CHUNK_BYTES
+    # Many tensors smaller than a chunk: their releases are gathered, and still keep RSS near a chunk.
+    small = [(f"s{i}", torch.full((mib // 16,), float(i))) for i in range(256)]  # 256 x 256 KiB
+    telemetry.write_tensor_file(path, small)
+    base, peak = _rss_bytes(), 0
+    for _, _, chunk in telemetry.stream_tensor_chunks(path, [n for n, _ in small]):
+        chunk.sum()
+        peak = max(peak, _rss_bytes() - base)
+    assert peak < 3 * telemetry.CHUNK_BYTES
 
 
 def test_concurrently_returns_in_order_and_raises_after_all_stopped():
