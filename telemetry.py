@@ -1055,10 +1055,18 @@ def _host_chunks(t: torch.Tensor):
         yield memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
         return
     flat = t.reshape(-1)
-    step = max(CHUNK_BYTES // t.element_size(), 1)
-    for start in range(0, flat.numel(), step):
-        part = flat[start:start + step].to("cpu")
+    for _, start, n in chunk_spans([flat]):
+        part = flat[start:start + n].to("cpu")
         yield memoryview((ctypes.c_char * (part.numel() * part.element_size())).from_address(part.data_ptr()))
+
+
+def chunk_spans(flats: List[torch.Tensor]) -> List[tuple]:
+    """(tensor index, start element, elements) of every piece of at most CHUNK_BYTES, tensor by tensor, in order."""
+    spans = []
+    for i, flat in enumerate(flats):
+        per_chunk = max(CHUNK_BYTES // flat.element_size(), 1)
+        spans += [(i, start, min(per_chunk, flat.numel() - start)) for start in range(0, flat.numel(), per_chunk)]
+    return spans
 
 
 def read_tensor_header(path: str) -> tuple:
@@ -1145,12 +1153,10 @@ def stream_tensor_chunks(path: str, names: List[str]):
     """Yield (tensor index, start element, flat chunk of at most CHUNK_BYTES) over the named tensors of a
     safetensors file, in order. Each chunk's pages are handed back when the next is asked for."""
     views, release = map_tensor_file(path, names)
-    for i, view in enumerate(views):
-        flat = view.view(-1)
-        per_chunk = max(CHUNK_BYTES // flat.element_size(), 1)
-        for start in range(0, flat.numel(), per_chunk):
-            yield i, start, flat[start:start + per_chunk]
-            release(i, start, min(per_chunk, flat.numel() - start))
+    flats = [view.view(-1) for view in views]
+    for i, start, n in chunk_spans(flats):
+        yield i, start, flats[i][start:start + n]
+        release(i, start, n)
 
 
 def _negatives(signs: torch.Tensor) -> torch.Tensor:
@@ -1190,8 +1196,6 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     # Both files hold the same names, shapes and dtypes as the weights (reference_matches), so chunks line up.
     refs, release_ref = map_tensor_file(reference_path, names) if reference_path else (None, None)
     inits, release_init = map_tensor_file(initial_path, names) if initial_path else (None, None)
-    chunks = [(i, start, min(per_chunk, w.numel() - start)) for i, w in enumerate(flats)
-              for per_chunk in [max(CHUNK_BYTES // w.element_size(), 1)] for start in range(0, w.numel(), per_chunk)]
 
     def zeros(dtype, dev, *shape):
         return torch.zeros(shape, dtype=dtype, device=dev)
@@ -1249,7 +1253,7 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
                 release_init(i, start, n)
         return acc
 
-    parts = _split_evenly(chunks, _pass_threads(flats))
+    parts = _split_evenly(chunk_spans(flats), _pass_threads(flats))
     accs = _concurrently(*[lambda part=part: accumulate(part) for part in parts])
     acc = {k: [functools.reduce(torch.maximum if k == "max_abs" else torch.add, per_tensor)
                for per_tensor in zip(*(a[k] for a in accs))] for k in accs[0]}
