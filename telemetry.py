@@ -55,7 +55,7 @@ _GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "ze
 MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
 _LOGGER = logging.getLogger("telemetry")
 IGNORE_INDEX = -100  # label value that HF losses skip (padding, prompt tokens)
-# Dict keys tried, in order, when the config names no label key; "winner" is the seed's pairwise label.
+# Dict keys tried, in order, when the config names no label key ("winner": pairwise-preference labels).
 LABEL_KEYS = ("labels", "label", "winner", "target", "targets", "y")
 MAX_LOGGED_CLASSES = 64  # above this, holdout logits are summarised instead of stored per class
 MAX_BALANCE_VALUES = 32  # above this many distinct labels, batch balance is summarised
@@ -69,6 +69,67 @@ _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTN
 # =====================================================================================================
 # Config
 # =====================================================================================================
+
+
+LAYER_STATS_BY = ("layer", "group", "tensor")
+
+
+MIRRORS = ("wandb", "tensorboard")
+
+
+# Presets are plain overrides of the defaults; `preset:` in YAML applies one before the other keys.
+_PRESETS: Dict[str, Dict[str, Any]] = {
+    "minimal": dict(track_weight_delta=False, track_update_ratio=False, track_holdout_logits=False,
+                    track_batch_stats=False, track_layer_stats=False, track_param_change=False,
+                    track_sparse_quality=False),
+    "default": {},
+    "comprehensive": dict(track_gradients=True, track_weight_delta=True, track_learning_rates=True,
+                          track_holdout_logits=True, track_batch_stats=True, track_layer_stats=True,
+                          track_update_ratio=True, track_param_change=True, track_sparse_quality=True,
+                          track_system=True, alerts=True),
+}
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    if not _matches_type(value, hint):
+        shown = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        raise ValueError(f"{name}: expected {shown}, got {value!r} ({type(value).__name__})")
+
+
+def _matches_type(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        return any(_matches_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:  # bool is an int subclass, but `collect_every_n: true` is a mistake
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (dict, Dict):
+        return isinstance(value, dict) and all(
+            _matches_type(k, args[0]) and _matches_type(v, args[1]) for k, v in value.items())
+    if origin in (list, List):
+        return isinstance(value, (list, tuple)) and all(_matches_type(v, args[0]) for v in value)
+    if hint is Any:
+        return True
+    return isinstance(value, hint)
+
+
+def _check_writable_dir(name: str, path: str) -> None:
+    # Walk up to the nearest existing ancestor: the directory itself is only created when telemetry starts.
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"{name}: {path!r} cannot be created: {probe!r} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: {path!r} is not writable ({probe!r} denies write access)")
 
 
 @dataclass
@@ -100,8 +161,8 @@ class TelemetryConfig:
     track_layer_stats: bool = False  # per-layer gradient mean/std/min/max/zero/NaN/Inf counts and weight norm
     layer_stats_by: str = "layer"  # "layer" (index / module name), "group" or "tensor": rows per record
     track_update_ratio: bool = True  # ||dW||/||W||, drift ||W - W_0|| and ||W|| per group, from the delta's pass
-    track_param_change: bool = False  # L1/L2/max/mean/std, sparsity and sign flips of the delta (seed 002)
-    # |dW| <= t counts as unchanged; absolute thresholds as in seed 002.
+    track_param_change: bool = False  # L1/L2/max/mean/std, sparsity and sign flips of the delta
+    # |dW| <= t counts as unchanged; absolute thresholds.
     param_change_thresholds: List[float] = dataclasses.field(default_factory=lambda: [1e-8, 1e-6, 1e-4])
     # |dW| <= t * |W|: scale-free, so a bf16 rounding step (~4e-3 relative) reads as a change.
     param_change_rel_thresholds: List[float] = dataclasses.field(default_factory=lambda: [1e-4, 1e-3, 1e-2])
@@ -191,65 +252,8 @@ class TelemetryConfig:
         return cls.from_dict({**data, **overrides})
 
 
-LAYER_STATS_BY = ("layer", "group", "tensor")
-MIRRORS = ("wandb", "tensorboard")
-# Presets are plain overrides of the defaults; `preset:` in YAML applies one before the other keys.
-_PRESETS: Dict[str, Dict[str, Any]] = {
-    "minimal": dict(track_weight_delta=False, track_update_ratio=False, track_holdout_logits=False,
-                    track_batch_stats=False, track_layer_stats=False, track_param_change=False,
-                    track_sparse_quality=False),
-    "default": {},
-    "comprehensive": dict(track_gradients=True, track_weight_delta=True, track_learning_rates=True,
-                          track_holdout_logits=True, track_batch_stats=True, track_layer_stats=True,
-                          track_update_ratio=True, track_param_change=True, track_sparse_quality=True,
-                          track_system=True, alerts=True),
-}
-
-
-def _check_type(name: str, value: Any, hint: Any) -> None:
-    if not _matches_type(value, hint):
-        shown = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-        raise ValueError(f"{name}: expected {shown}, got {value!r} ({type(value).__name__})")
-
-
-def _matches_type(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:
-        return any(_matches_type(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:  # bool is an int subclass, but `collect_every_n: true` is a mistake
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin in (dict, Dict):
-        return isinstance(value, dict) and all(
-            _matches_type(k, args[0]) and _matches_type(v, args[1]) for k, v in value.items())
-    if origin in (list, List):
-        return isinstance(value, (list, tuple)) and all(_matches_type(v, args[0]) for v in value)
-    if hint is Any:
-        return True
-    return isinstance(value, hint)
-
-
-def _check_writable_dir(name: str, path: str) -> None:
-    # Walk up to the nearest existing ancestor: the directory itself is only created when telemetry starts.
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise ValueError(f"{name}: {path!r} cannot be created: {probe!r} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{name}: {path!r} is not writable ({probe!r} denies write access)")
-
-
 # =====================================================================================================
-# Metrics: pure functions of tensors; no I/O, no host syncs (the class does one transfer per record)
+# Metrics: pure functions of tensors, no I/O; results stay on the device (one transfer per record)
 # =====================================================================================================
 
 
@@ -364,8 +368,18 @@ def merge_lm_holdout(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def _valid_positions(logits: torch.Tensor, labels: Any) -> Optional[torch.Tensor]:
+    # LM logits [N, T, V]: position t counts when it predicts a supervised token t+1 (as in the holdout).
+    if logits.dim() != 3 or not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
+        return None
+    valid = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
+    valid[:, :-1] = labels[:, 1:].to(logits.device) != IGNORE_INDEX
+    return valid
+
+
 def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
-    """Count and percentage of each label value in a batch, under the seed's "<key>_<value>_pct" keys."""
+    """Count and percentage of each label value in a batch, under "<key>_<value>_pct" keys. Host numbers:
+    the counts are needed to build the keys, so this is the one metric that copies to the host itself."""
     values = labels.detach().reshape(-1).cpu()
     stats: Dict[str, Any] = {"batch_size": int(labels.shape[0]) if labels.dim() else 1, "label_key": key}
     if values.is_floating_point() and not torch.equal(values, values.round()):
@@ -419,6 +433,9 @@ def output_logits(outputs: Any) -> torch.Tensor:
                     "pass forward= to set_holdout_data")
 
 
+# ---- batches: examples along dim 0 of every tensor leaf --------------------------------------------
+
+
 def batch_size_of(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
@@ -448,6 +465,9 @@ def move_to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to(v, device) for v in batch)
     return batch
+
+
+# ---- records: one transfer to the host, strict JSON ------------------------------------------------
 
 
 def to_host(record: Dict[str, Any]) -> Dict[str, Any]:
@@ -530,7 +550,50 @@ def replace_nonfinite(record: Any, path: str = "", found: Optional[List[str]] = 
     return record, found
 
 
-# ---- LoRA: duck-typed, so peft's and unsloth's layers both qualify and neither is imported --------------
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _has_nonfinite(node: Any) -> bool:
+    if isinstance(node, float):
+        return not math.isfinite(node)
+    if isinstance(node, dict):
+        return any(_has_nonfinite(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_nonfinite(v) for v in node)
+    return False
+
+
+def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry") -> Dict[str, float]:
+    """A record's numbers under mirror keys: {"telemetry/gradient_norm/head": 0.5, ...}.
+
+    Nested keys are joined by "/"; lists (predictions, alerts), strings, bools and nulls are left out, and
+    so are schema/step/batch_idx/timestamp (the step is the mirrors' x axis).
+    """
+    out: Dict[str, float] = {}
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            out[path] = float(node)
+
+    for key, value in record.items():
+        if key not in ("schema", "step", "batch_idx", "timestamp"):
+            walk(value, f"{prefix}/{key}")
+    return out
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+# ---- LoRA: duck-typed, so peft's and unsloth's layers both qualify and neither is imported ---------
 
 
 def find_lora_modules(model: torch.nn.Module) -> List[tuple]:
@@ -696,7 +759,8 @@ def relative_drift(current: List[torch.Tensor], start: List[torch.Tensor]) -> to
     return (diff / base).sqrt()
 
 
-# ---- training dynamics: per-layer statistics, breakdowns, output agreement, robust spikes -----------
+# ---- training dynamics: per-layer statistics, breakdowns, output agreement, robust spikes ----------
+
 
 # Transformer-block components that param_change breaks the delta down by, matched as dotted name segments.
 COMPONENTS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
@@ -704,7 +768,7 @@ COMPONENTS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "
 
 
 def threshold_key(t: float) -> str:
-    """Record key of a threshold: 1e-06 -> "1e-06" (seed 002's spelling); 2.5e-4 -> "0.00025" (never rounded)."""
+    """Record key of a threshold: 1e-06 -> "1e-06"; 2.5e-4 -> "0.00025" (never rounded)."""
     short = f"{t:.0e}"
     return short if float(short) == t else repr(float(t))
 
@@ -931,13 +995,33 @@ def rank_share(batch: Any, rank: int, world_size: int) -> tuple:
     return cut(batch), True
 
 
+def full_gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """param.grad; for a DeepSpeed ZeRO parameter whose .grad is None, deepspeed's safe_get_full_grad.
+
+    ZeRO-1/2 keep the reduced gradient in the optimizer's flat partitions and ZeRO-3 partitions the
+    parameter itself, so .grad stays None. safe_get_full_grad assembles the full fp32 gradient; it is a
+    collective, valid between engine.backward() and engine.step(), which is why DeepSpeed runs make every
+    rank collect. Without deepspeed importable there is nothing to assemble from: None (recorded as null).
+    """
+    if param.grad is not None or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
+        return param.grad
+    try:
+        from deepspeed.utils import safe_get_full_grad  # lazy: only DeepSpeed runs have it
+    except ImportError:
+        return None
+    return safe_get_full_grad(param)
+
+
 # =====================================================================================================
 # Weight reference on disk: the safetensors layout, written and read one tensor at a time, never pickled
 # =====================================================================================================
 
+
 _DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                 torch.uint8: "U8", torch.bool: "BOOL"}
+
+
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
@@ -950,7 +1034,7 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
 
     Atomic: the data goes to a side file that os.replace then moves over `path`, so a crash mid-write
     leaves the previous file intact. The replaced file is kept (hard link) as `path.spare` and overwritten
-    in place next time: rewriting pages the page cache already holds is ~4x faster than filling a new file.
+    in place next time: rewriting pages the page cache already holds is much faster than filling a new file.
     No fsync: this is a cache that a power cut may lose, and fsync per collection would dominate its cost.
     """
     header, offset = {}, 0
@@ -1102,7 +1186,7 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
     """([tensor per name], release) over a private memory map of a safetensors file.
 
     Nothing is copied: a pass over the reference reads it once, straight from the page cache, where
-    read() would copy it into a buffer first (measured: 96 -> 57 ms for a 50M-parameter streamed pass).
+    read() would copy it into a buffer first.
     The pages a pass touches count in the process's RSS until release(i, start, n) hands back those of
     tensor i's elements [start, start + n), so a chunked pass adds about a chunk to RSS, not the file.
     The map is private: a stray write would change this process's copy, never the file. A file shorter
@@ -1129,8 +1213,8 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
         offsets.append(base + begin)
         itemsizes.append(itemsize)
 
-    # Releases are gathered per thread until they span CHUNK_BYTES: a madvise per small tensor cost a
-    # small model a quarter of its pass (CNN of 0.6M parameters: 1.6 -> 2.0 ms). Each thread releases
+    # Releases are gathered per thread until they span CHUNK_BYTES: a madvise per small tensor costs a
+    # small model a large share of its pass. Each thread releases
     # its own consecutive run of the file; what is left when the pass ends goes with the map.
     unreleased = threading.local()
 
@@ -1264,9 +1348,135 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     return out
 
 
+def _overwrite_weights(params: List[torch.Tensor], chunks: Any) -> None:
+    """Write (tensor index, start element, values) chunks into the weights in place, in logical order.
+
+    A non-contiguous weight (e.g. channels_last) is staged whole, then copied: its flat view is not its
+    memory order. Call under torch.no_grad().
+    """
+    staged: Dict[int, torch.Tensor] = {}
+    for i, start, values in chunks:
+        p = params[i]
+        if p.is_contiguous():
+            p.detach().view(-1)[start:start + values.numel()].copy_(values)
+            continue
+        buf = staged.setdefault(i, torch.empty(p.numel(), dtype=p.dtype, device=p.device))
+        buf[start:start + values.numel()].copy_(values)
+        if start + values.numel() == p.numel():
+            p.detach().copy_(buf.view(p.shape))
+            del staged[i]
+
+
 # =====================================================================================================
-# TrainingTelemetry: decides when to collect, calls the metrics, and does all the I/O
+# Collaborators: small private pieces that each own one concern of TrainingTelemetry
 # =====================================================================================================
+
+
+# ---- the process: ranks, threads, RNG, memory ------------------------------------------------------
+
+
+def _rank_and_world() -> tuple:
+    """(rank, world size) of the default process group; before init_process_group, torchrun's RANK and
+    WORLD_SIZE, so that only rank 0 writes run.json even when telemetry is made first."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), 1
+
+
+def _parallelism(model: torch.nn.Module, params: List[torch.Tensor], world_size: int) -> str:
+    """none, ddp, fsdp2 (DTensor parameters: fully_shard, also HSDP and TP), deepspeed (ZeRO's parameter
+    attributes) or fsdp1 (FullyShardedDataParallel, unsupported)."""
+    if world_size == 1:
+        return "none"
+    if any(is_sharded(p) for p in params):
+        return "fsdp2"
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):
+        return "deepspeed"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "fsdp1"
+    return "ddp"
+
+
+def _reduce_device() -> torch.device:
+    # gloo reduces host tensors; nccl and the other accelerator backends reduce on the current device.
+    if torch.distributed.get_backend() == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+
+
+def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    # The same parameters, under the names a single process would record.
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def _one_cpu_thread():
+    """Run a collection on one intra-op thread, then give the training loop its threads back.
+
+    A collection is many small memory-bound ops. With every core busy (dataloader workers, other jobs),
+    each multi-threaded op waits out a scheduler slice, many times the op's own cost.
+    One thread runs them near memory bandwidth either way; GPU work is unaffected.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+def _rss_mb() -> Optional[float]:
+    """Resident set size of this process in MiB: /proc/self/statm on Linux, else psutil when installed."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil  # optional, lazy
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:
+        return None
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+# Per-tensor gradient statistics that sharded layer_stats all-reduces (max; min travels as max of -min).
+_STAT_ROWS = ("sum", "zeros", "nans", "infs", "numel", "max", "negmin", "weight_sq")
 
 
 @dataclass
@@ -1291,6 +1501,11 @@ class _Pending:
     rows: Optional[List[torch.Tensor]]  # this rank's rows; None when local() raised here
     error: Optional[BaseException]
     finish: Callable[..., Any]
+
+
+# =====================================================================================================
+# TrainingTelemetry: decides when to collect, calls the metrics, and does all the I/O
+# =====================================================================================================
 
 
 class TrainingTelemetry:
@@ -1859,8 +2074,8 @@ class TrainingTelemetry:
 
     def _stream_while_writing(self, named: List[tuple], stream: Callable[[], Dict[str, torch.Tensor]]) -> Dict:
         """stream() (the pass over the old reference) while the new reference is written: side by side for
-        large CPU models (see _pass_threads), where both are memory-bound and would leave a core idle in turn
-        (50M parameters on two cores: 127 -> 100 ms a collection). The old file is replaced only after both,
+        large CPU models (see _pass_threads), where both are memory-bound and would leave a core idle in turn.
+        The old file is replaced only after both,
         and a failed write (full disk) keeps stream()'s result."""
         result: List[Dict[str, torch.Tensor]] = []
         if _pass_threads([t for _, t in named]) > 1:  # large CPU models: a thread costs more than small ones save
@@ -2564,7 +2779,7 @@ class TrainingTelemetry:
         else:
             partitions.append({"all": list(range(len(params)))})
             readers["all"] = lr_reader(None)
-        if self.config.groups and opt_groups:  # optimizer groups too, as the seed's record shows both
+        if self.config.groups and opt_groups:  # optimizer groups too: the record shows both
             for gi, n in enumerate(opt_names):
                 if n not in partitions[0]:
                     readers[n] = lr_reader(gi)
@@ -2774,165 +2989,10 @@ class TrainingTelemetry:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _has_nonfinite(node: Any) -> bool:
-    if isinstance(node, float):
-        return not math.isfinite(node)
-    if isinstance(node, dict):
-        return any(_has_nonfinite(v) for v in node.values())
-    if isinstance(node, list):
-        return any(_has_nonfinite(v) for v in node)
-    return False
-
-
-def _rss_mb() -> Optional[float]:
-    """Resident set size of this process in MiB: /proc/self/statm on Linux, else psutil when installed."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError, AttributeError):
-        pass
-    try:
-        import psutil  # optional, lazy
-        return psutil.Process().memory_info().rss / 2**20
-    except Exception:
-        return None
-
-
-def _valid_positions(logits: torch.Tensor, labels: Any) -> Optional[torch.Tensor]:
-    # LM logits [N, T, V]: position t counts when it predicts a supervised token t+1 (as in the holdout).
-    if logits.dim() != 3 or not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
-        return None
-    valid = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
-    valid[:, :-1] = labels[:, 1:].to(logits.device) != IGNORE_INDEX
-    return valid
-
-
-def _overwrite_weights(params: List[torch.Tensor], chunks: Any) -> None:
-    """Write (tensor index, start element, values) chunks into the weights in place, in logical order.
-
-    A non-contiguous weight (e.g. channels_last) is staged whole, then copied: its flat view is not its
-    memory order. Call under torch.no_grad().
-    """
-    staged: Dict[int, torch.Tensor] = {}
-    for i, start, values in chunks:
-        p = params[i]
-        if p.is_contiguous():
-            p.detach().view(-1)[start:start + values.numel()].copy_(values)
-            continue
-        buf = staged.setdefault(i, torch.empty(p.numel(), dtype=p.dtype, device=p.device))
-        buf[start:start + values.numel()].copy_(values)
-        if start + values.numel() == p.numel():
-            p.detach().copy_(buf.view(p.shape))
-            del staged[i]
-
-
-# Per-tensor gradient statistics that sharded layer_stats all-reduces (max; min travels as max of -min).
-_STAT_ROWS = ("sum", "zeros", "nans", "infs", "numel", "max", "negmin", "weight_sq")
-
-
-def _rank_and_world() -> tuple:
-    """(rank, world size) of the default process group; before init_process_group, torchrun's RANK and
-    WORLD_SIZE, so that only rank 0 writes run.json even when telemetry is made first."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), 1
-
-
-def _parallelism(model: torch.nn.Module, params: List[torch.Tensor], world_size: int) -> str:
-    """none, ddp, fsdp2 (DTensor parameters: fully_shard, also HSDP and TP), deepspeed (ZeRO's parameter
-    attributes) or fsdp1 (FullyShardedDataParallel, unsupported)."""
-    if world_size == 1:
-        return "none"
-    if any(is_sharded(p) for p in params):
-        return "fsdp2"
-    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):
-        return "deepspeed"
-    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
-        return "fsdp1"
-    return "ddp"
-
-
-def _reduce_device() -> torch.device:
-    # gloo reduces host tensors; nccl and the other accelerator backends reduce on the current device.
-    if torch.distributed.get_backend() == "gloo" or not torch.accelerator.is_available():
-        return torch.device("cpu")
-    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc
-
-
-def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
-    # The same parameters, under the names a single process would record.
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-@contextlib.contextmanager
-def _one_cpu_thread():
-    """Run a collection on one intra-op thread, then give the training loop its threads back.
-
-    A collection is many small memory-bound ops. With every core busy (dataloader workers, other jobs),
-    each multi-threaded op waits out a scheduler slice: measured 8 ms instead of 0.3 ms for a 4 MiB chunk.
-    One thread runs them near memory bandwidth either way; GPU work is unaffected.
-    """
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _rng_state() -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
-    return state
-
-
-def _set_rng_state(state: Dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        sys.modules["numpy"].random.set_state(state["numpy"])
-
-
-def _ends_with_newline(path: str) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
-
-
 # =====================================================================================================
 # Integrations: built on first use, so that this module imports with torch alone
 # =====================================================================================================
+
 
 _LAZY_CLASSES: Dict[str, type] = {}
 
@@ -3104,41 +3164,3 @@ def lightning_callback_class() -> type:
 
     _LAZY_CLASSES["lightning"] = TelemetryCallback
     return TelemetryCallback
-
-
-def full_gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """param.grad; for a DeepSpeed ZeRO parameter whose .grad is None, deepspeed's safe_get_full_grad.
-
-    ZeRO-1/2 keep the reduced gradient in the optimizer's flat partitions and ZeRO-3 partitions the
-    parameter itself, so .grad stays None. safe_get_full_grad assembles the full fp32 gradient; it is a
-    collective, valid between engine.backward() and engine.step(), which is why DeepSpeed runs make every
-    rank collect. Without deepspeed importable there is nothing to assemble from: None (recorded as null).
-    """
-    if param.grad is not None or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
-        return param.grad
-    try:
-        from deepspeed.utils import safe_get_full_grad  # lazy: only DeepSpeed runs have it
-    except ImportError:
-        return None
-    return safe_get_full_grad(param)
-
-
-def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry") -> Dict[str, float]:
-    """A record's numbers under mirror keys: {"telemetry/gradient_norm/head": 0.5, ...}.
-
-    Nested keys are joined by "/"; lists (predictions, alerts), strings, bools and nulls are left out, and
-    so are schema/step/batch_idx/timestamp (the step is the mirrors' x axis).
-    """
-    out: Dict[str, float] = {}
-
-    def walk(node, path):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, f"{path}/{key}")
-        elif isinstance(node, (int, float)) and not isinstance(node, bool):
-            out[path] = float(node)
-
-    for key, value in record.items():
-        if key not in ("schema", "step", "batch_idx", "timestamp"):
-            walk(value, f"{prefix}/{key}")
-    return out
