@@ -24,6 +24,7 @@ import datetime
 import difflib
 import fnmatch
 import functools
+import itertools
 import json
 import logging
 import math
@@ -1503,6 +1504,291 @@ class _Pending:
     finish: Callable[..., Any]
 
 
+class _Warnings:
+    """Each telemetry warning once per run: a metric that fails at every collection warns at the first."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def __call__(self, key: str, message: str) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+class _Mirrors:
+    """Each record's numbers also sent to wandb (the active run) and/or TensorBoard (output_dir/tb).
+
+    A failing mirror lands in the record's errors (mirror_<name>), is warned about once, and never stops the
+    JSONL line; a mirror whose package is missing is not tried again.
+    """
+
+    def __init__(self, config: TelemetryConfig, warn: _Warnings):
+        self.names = list(config.mirror)
+        self.tb_dir = os.path.join(config.output_dir or ".", "tb")
+        self.strict = config.strict
+        self.warn = warn
+        self.off: set = set()
+        self.wandb_run: Any = None
+        self.tb: Any = None
+
+    def send(self, record: Dict[str, Any]) -> None:
+        flat = None
+        for name in self.names:
+            if name in self.off:
+                continue
+            try:
+                flat = flatten_scalars(record) if flat is None else flat
+                (self._wandb if name == "wandb" else self._tensorboard)(flat, record["step"])
+            except Exception as exc:
+                if self.strict:
+                    raise
+                if isinstance(exc, ImportError):  # not installed: stop trying
+                    self.off.add(name)
+                message = f"{type(exc).__name__}: {exc}"
+                record.setdefault("errors", {})[f"mirror_{name}"] = message
+                self.warn(f"mirror:{name}", f"telemetry: the {name} mirror failed ({message}); "
+                                            "telemetry.jsonl is unaffected")
+
+    def _wandb(self, flat: Dict[str, float], step: int) -> None:
+        import wandb  # lazy: only with mirror: [wandb]
+
+        run = wandb.run
+        if run is None:
+            self.warn("wandb-run", "telemetry: mirror wandb: no active run (call wandb.init() first); "
+                                   "records are not mirrored until there is one")
+            return
+        if run is not self.wandb_run:
+            # Our own x axis: logging with step= would fight other loggers' steps (wandb drops older ones).
+            run.define_metric("telemetry/step")
+            run.define_metric("telemetry/*", step_metric="telemetry/step")
+            self.wandb_run = run
+        run.log({**flat, "telemetry/step": step})
+
+    def _tensorboard(self, flat: Dict[str, float], step: int) -> None:
+        if self.tb is None:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: needs the tensorboard package
+
+            self.tb = SummaryWriter(self.tb_dir)
+        for key, value in flat.items():
+            self.tb.add_scalar(key, value, global_step=step)
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+class _GradScaler:
+    """What a torch.amp.GradScaler tells about the gradients: the scale they still carry, and the steps it
+    skipped (update() backs the scale off exactly when it skipped one for inf/NaN gradients)."""
+
+    def __init__(self):
+        self.scaler: Any = None
+        self.seen: Any = None  # the scale at the previous call, on the device
+        self.skipped: Any = 0
+
+    def set(self, scaler: Any) -> None:
+        self.scaler = scaler
+        current = scaler._get_scale_async() if scaler is not None else None  # None before the first scale()
+        self.seen = current.clone() if current is not None else getattr(scaler, "_init_scale", None)
+        self.skipped = 0
+
+    @property
+    def active(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def track(self) -> None:
+        """Count the back-offs since the previous call, with tensor ops: no call waits for the GPU."""
+        if self.scaler is None:
+            return
+        scale = self.scaler._get_scale_async()
+        if scale is None:
+            return
+        if self.seen is not None:
+            self.skipped = self.skipped + (scale < self.seen).long()
+        self.seen = scale.clone()
+
+    def scale_of(self, optimizer: Any, pre_step: bool) -> Optional[torch.Tensor]:
+        """The factor the gradients are still multiplied by, or None.
+
+        torch.amp.GradScaler keeps a stage per optimizer until update(): UNSCALED after scaler.unscale_,
+        STEPPED after scaler.step(), which unscales in place first (fused optimizers write the unscaled
+        gradients back too): both read as unscaled. READY, or no entry, means neither ran yet: scaled. But
+        update() clears the entries, so a missing entry in on_batch_end (after the step, by contract) reads
+        as unscaled, and in capture_gradients (before the step, by contract) as scaled.
+        """
+        if not self.active or optimizer is None:
+            return None
+        state = self.scaler._per_optimizer_states.get(id(optimizer))  # .get: a defaultdict would add an entry
+        stage = getattr(state["stage"], "name", None) if state else None
+        if stage in ("UNSCALED", "STEPPED") or (stage is None and not pre_step):
+            return None
+        return self.scaler._get_scale_async()  # None before the first scaler.scale(): nothing is scaled
+
+    def section(self) -> Dict[str, Any]:
+        scale = self.scaler._get_scale_async()
+        return {"scale": scale if scale is not None else self.scaler.get_scale(), "skipped_steps": self.skipped}
+
+
+class _SystemClock:
+    """The `system` section: wall time and throughput since the previous collection, memory, GPU use."""
+
+    def __init__(self):
+        self.last: Optional[tuple] = None  # (perf_counter, step) at the previous collection
+        self.last_ms = 0.0  # the previous collection's telemetry_ms
+        self.no_gpu_util = False
+
+    def section(self, model: torch.nn.Module, batch: Any, started: float, step: int) -> Dict[str, Any]:
+        """Throughput assumes the batches since the previous collection were the size of this one.
+        telemetry_share is the previous collection's own time over the wall time since it started.
+        cuda_peak_mb is the peak since the process started (resetting the counter is the user's to do)."""
+        out: Dict[str, Any] = {}
+        last, self.last = self.last, (started, step)
+        if last is not None and step > last[1] and started > last[0]:
+            elapsed, steps = started - last[0], step - last[1]
+            out["step_time_s"] = elapsed / steps
+            if batch is not None:
+                out.update(_throughput(batch, steps / elapsed))
+            out["telemetry_share"] = self.last_ms / 1e3 / elapsed
+        rss = _rss_mb()
+        if rss is not None:
+            out["rss_mb"] = rss
+        device = next((p.device for p in model.parameters()), None)
+        if device is not None and device.type == "cuda":
+            out.update(self._cuda(device))
+        return out
+
+    def _cuda(self, device: torch.device) -> Dict[str, Any]:
+        out = {"cuda_allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+               "cuda_reserved_mb": torch.cuda.memory_reserved(device) / 2**20,
+               "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+        if not self.no_gpu_util:
+            try:
+                out["gpu_util_pct"] = float(torch.cuda.utilization(device))  # imports pynvml lazily
+            except Exception:  # no nvidia-ml-py, or no NVML: the key is absent
+                self.no_gpu_util = True
+        return out
+
+
+def _throughput(batch: Any, steps_per_s: float) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    try:
+        out["examples_per_s"] = batch_size_of(batch) * steps_per_s
+    except TypeError:
+        pass
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if isinstance(ids, torch.Tensor):
+        mask = batch.get("attention_mask")
+        tokens = mask.sum() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else ids.numel()
+        out["tokens_per_s"] = tokens * steps_per_s
+    return out
+
+
+class _AlertMonitor:
+    """Online alerts: each condition is reported in the record where it starts, once while it holds.
+
+    State is O(1): two fixed-size windows (loss, gradient norm) and one streak counter per group.
+    """
+
+    def __init__(self, config: TelemetryConfig):
+        self.config = config
+        self.history = {k: collections.deque(maxlen=config.alert_window) for k in ("loss", "grad")}
+        self.active: set = set()
+        self.frozen_streak: Dict[tuple, int] = {}
+        self.collections = 0
+        self.pending: List[Dict[str, Any]] = []  # new alerts not yet handed to on_alert
+
+    def check(self, record: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+        """The alerts whose condition starts in this host record (the `alerts` section), logged as they start."""
+        self.collections += 1
+        holding: Dict[tuple, Dict[str, Any]] = {}
+        for code, severity, message, group in itertools.chain(
+                _nonfinite_alerts(record), self._loss_spikes(record), self._gradient_spikes(record),
+                _lr_zero_alerts(record), self._frozen_groups(record)):
+            if (code, group) not in holding:
+                holding[(code, group)] = {"code": code, "severity": severity, "message": message,
+                                          **({"group": group} if group is not None else {})}
+        new = [alert for key, alert in holding.items() if key not in self.active]
+        self.active = set(holding)
+        for alert in new:
+            _LOGGER.warning("telemetry alert at step %s [%s]: %s", record.get("step"), alert["code"],
+                            alert["message"])
+        self.pending.extend(new)
+        return new or None
+
+    def take(self) -> List[Dict[str, Any]]:
+        pending, self.pending = self.pending, []
+        return pending
+
+    def _loss_spikes(self, record):
+        loss = record.get("loss")
+        if not _finite_number(loss):
+            return
+        history = self.history["loss"]
+        if len(history) >= MIN_ALERT_HISTORY:
+            z = robust_z(history, loss)
+            if z > self.config.alert_spike_threshold:
+                yield ("loss_spike", "warning", f"loss {loss:.4g} is {z:.1f} robust SDs above its rolling "
+                                                f"median {statistics.median(history):.4g}", None)
+        history.append(loss)
+
+    def _gradient_spikes(self, record):
+        norm = (record.get("gradient_norm") or {}).get("overall")
+        if not _finite_number(norm):
+            return
+        cfg, history = self.config, self.history["grad"]
+        if len(history) >= MIN_ALERT_HISTORY:
+            median = statistics.median(history)
+            z = robust_z(history, norm)
+            # An explosion is a spike that is also an order of magnitude: late in training gradient norms
+            # are heavy-tailed (one hard batch among fitted ones), and that alone is not one.
+            if z > cfg.alert_spike_threshold and norm > cfg.alert_explosion_factor * median > 0:
+                yield ("grad_explosion", "critical", f"gradient norm {norm:.4g} is {norm / median:.0f}x its "
+                                                     f"rolling median {median:.4g}", None)
+            elif z > cfg.alert_spike_threshold:
+                yield ("grad_spike", "warning", f"gradient norm {norm:.4g} is {z:.1f} robust SDs above its "
+                                                f"rolling median {median:.4g}", None)
+        history.append(norm)
+
+    def _frozen_groups(self, record):
+        moved = "weight_delta" if "weight_delta" in record else "update_ratio"
+        for kind, section in (("gradient", "gradient_norm"), ("update", moved)):
+            values = record.get(section) or {}
+            moving = _finite_number(values.get("overall")) and values["overall"] > 0
+            for group, value in values.items():
+                if group == "overall":
+                    continue
+                # The first collection never counts: LoRA's A has an exactly-zero gradient at step 1.
+                frozen = moving and _finite_number(value) and value == 0 and self.collections > 1
+                streak = self.frozen_streak.get((kind, group), 0) + 1 if frozen else 0
+                self.frozen_streak[(kind, group)] = streak
+                if streak >= 2:
+                    yield ("frozen_group", "warning", f"group {group!r}: {kind} exactly 0 for {streak} "
+                                                      "collections while other groups move", group)
+
+
+def _nonfinite_alerts(record: Dict[str, Any]):
+    _, paths = replace_nonfinite(record)
+    paths = [p for p in paths if not p.startswith(("update_ratio", "custom"))]
+    tensors = record.get("nonfinite_params") or []
+    if paths or tensors:
+        shown = ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "")
+        if tensors:
+            shown += f" (tensors: {', '.join(tensors[:4])}{', ...' if len(tensors) > 4 else ''})"
+        yield "nonfinite", "critical", f"non-finite values: {shown.strip()}", None
+
+
+def _lr_zero_alerts(record: Dict[str, Any]):
+    lrs = {g: v for g, v in (record.get("learning_rates") or {}).items()
+           if g not in ("overall", "not_in_optimizer") and _finite_number(v)}
+    if any(v > 0 for v in lrs.values()):
+        for group, lr in lrs.items():
+            if lr == 0:
+                yield "lr_zero", "warning", f"group {group!r} has learning rate 0 while other groups train", group
+
+
 # =====================================================================================================
 # TrainingTelemetry: decides when to collect, calls the metrics, and does all the I/O
 # =====================================================================================================
@@ -1527,7 +1813,7 @@ class TrainingTelemetry:
         self.step = 0
         self._enabled = config.enabled
         self._every = config.collect_every_n
-        self._warned: set = set()
+        self._warn = _Warnings()
         self._holdout: List[Any] = []
         self._holdout_on: Dict[str, List[Any]] = {}
         self._holdout_forward: Optional[Callable] = None
@@ -1542,14 +1828,8 @@ class TrainingTelemetry:
         self._sparse_files: Optional[tuple] = None  # (previous, current) references for sparse quality
         self._rows: Dict[str, tuple] = {}  # _row_index cache
         self._initial_pending = config.track_update_ratio  # W_0 is kept at the first call
-        self._alert_history = {k: collections.deque(maxlen=config.alert_window) for k in ("loss", "grad")}
-        self._alert_active: set = set()
-        self._frozen_streak: Dict[tuple, int] = {}
-        self._collections = 0
-        self._pending_alerts: List[Dict[str, Any]] = []
-        self._system_last: Optional[tuple] = None  # (perf_counter, step) at the previous collection
-        self._last_ms = 0.0  # the previous collection's telemetry_ms
-        self._no_gpu_util = False
+        self._alerts = _AlertMonitor(config)
+        self._clock = _SystemClock()
         self._lora_found: Optional[tuple] = None  # (layout key, LoRA modules found in the model)
         self._dora_start: Dict[str, torch.Tensor] = {}  # DoRA magnitude vectors at their first collection
         self._holding = False  # the HF callback holds records back until the Trainer logs its grad_norm
@@ -1567,12 +1847,8 @@ class TrainingTelemetry:
         self._captured: Optional[tuple] = None  # (layout key, step, gradient rows) read before optimizer.step()
         self._pendings: List[_Pending] = []
         self._grad_stats: Optional[Dict[str, torch.Tensor]] = None  # sharded layer_stats (see _gradient_norms)
-        self._scaler: Any = None
-        self._scale_seen: Any = None
-        self._skipped: Any = 0
-        self._mirror_off: set = set()
-        self._wandb_run: Any = None
-        self._tb: Any = None
+        self._scaler = _GradScaler()
+        self._mirrors = _Mirrors(config, self._warn)
         if not self._enabled:
             return
         if config.output_dir is None:
@@ -1624,8 +1900,7 @@ class TrainingTelemetry:
         Under torch.distributed call it on every rank, with the same batch_idx: rank 0 alone writes.
         """
         self.step += 1
-        if self._scaler is not None:
-            self._track_scale()
+        self._scaler.track()
         if self._initial_pending and self._enabled:
             self._capture_initial(_unwrap_ddp(model), optimizer)
         if not self._enabled or batch_idx % self._every:
@@ -1637,27 +1912,24 @@ class TrainingTelemetry:
                 record = self._collect(_unwrap_ddp(model), optimizer, batch_idx, epoch, device, batch, loss,
                                        scalars)
         except Exception as exc:  # the training loop must never see telemetry fail
-            self._pending_alerts = []
+            self._alerts.take()
             if self.config.strict:
                 raise
-            self._warn_once("collect", f"telemetry: collection failed and was skipped: {exc!r}")
+            self._warn("collect", f"telemetry: collection failed and was skipped: {exc!r}")
             return None
         self._dispatch_alerts(record)
         return record
 
     def _warn_silent(self) -> None:
-        self._warn_once("silent", f"telemetry: nothing collected in {self.step} calls: batch_idx was never a "
-                                  f"multiple of collect_every_n={self._every}. Epochs shorter than that restart "
-                                  "batch_idx before it gets there; lower collect_every_n.")
+        self._warn("silent", f"telemetry: nothing collected in {self.step} calls: batch_idx was never a "
+                             f"multiple of collect_every_n={self._every}. Epochs shorter than that restart "
+                             "batch_idx before it gets there; lower collect_every_n.")
 
     def set_grad_scaler(self, scaler: Any) -> None:
         """Record a torch.amp.GradScaler's scale and skipped steps (`grad_scaler`), and keep gradient norms
         unscaled. Set once; every on_batch_end call then compares the scale with the one before (a skipped
         step backs it off), with tensor ops only."""
-        self._scaler = scaler
-        current = scaler._get_scale_async() if scaler is not None else None  # None before the first scale()
-        self._scale_seen = current.clone() if current is not None else getattr(scaler, "_init_scale", None)
-        self._skipped = 0
+        self._scaler.set(scaler)
 
     def capture_gradients(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                           batch_idx: int) -> bool:
@@ -1676,8 +1948,8 @@ class TrainingTelemetry:
         except Exception as exc:
             if self.config.strict:
                 raise
-            self._warn_once("capture", f"telemetry: reading gradients before the step failed ({exc!r}); "
-                                       "on_batch_end reads them after it")
+            self._warn("capture", f"telemetry: reading gradients before the step failed ({exc!r}); "
+                                  "on_batch_end reads them after it")
             return False
 
     def lightning_callback(self) -> Any:
@@ -1700,9 +1972,7 @@ class TrainingTelemetry:
         if self._records is not None:
             self._records.close()
             self._records = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self._mirrors.close()
 
     def __enter__(self) -> "TrainingTelemetry":
         return self
@@ -1740,8 +2010,8 @@ class TrainingTelemetry:
                 self._add(record, errors, "learning_rates", self._learning_rates, layout)
             self._finish_pending(record, errors)  # sharded: the collection's one all_reduce
             self._add_dynamics(record, errors, layout, model, device)
-        if self._scaler is not None and self._scaler.is_enabled():
-            self._add(record, errors, "grad_scaler", self._grad_scaler_section)
+        if self._scaler.active:
+            self._add(record, errors, "grad_scaler", self._scaler.section)
         if cfg.track_holdout_logits and self._holdout:
             self._add(record, errors, "holdout_logits", self._evaluate_holdout, model, device)
         if cfg.track_batch_stats and batch is not None:
@@ -1753,7 +2023,7 @@ class TrainingTelemetry:
         record = to_host(record)
         self._check_gradients(record)
         self._after_host(record, layout, errors)
-        record["telemetry_ms"] = self._last_ms = (time.perf_counter() - started) * 1e3
+        record["telemetry_ms"] = self._clock.last_ms = (time.perf_counter() - started) * 1e3
         self._silent_warn_step = -1
         record, nonfinite = replace_nonfinite(record)
         if nonfinite:
@@ -1777,8 +2047,8 @@ class TrainingTelemetry:
             if self.config.strict and self._strict_error is None:
                 self._strict_error = exc  # raised by _collect once every rank is past the collectives
             errors[section] = f"{type(exc).__name__}: {exc}"
-            self._warn_once(f"error:{section}", f"telemetry: {section} failed ({errors[section]}); it is "
-                                                "recorded under 'errors' and training goes on")
+            self._warn(f"error:{section}", f"telemetry: {section} failed ({errors[section]}); it is "
+                                           "recorded under 'errors' and training goes on")
             return None
 
     # ---- distributed: which ranks collect, and one all_reduce per collection ------------------------
@@ -1809,8 +2079,8 @@ class TrainingTelemetry:
                     self._run_info.update(info)
                     self._write_run_info()
         if self._parallelism == "fsdp1":
-            self._warn_once("fsdp1", "telemetry: FSDP1 (FullyShardedDataParallel) is not supported: its flat "
-                                     "shards hide the parameters. Use FSDP2's fully_shard; nothing is recorded")
+            self._warn("fsdp1", "telemetry: FSDP1 (FullyShardedDataParallel) is not supported: its flat "
+                                "shards hide the parameters. Use FSDP2's fully_shard; nothing is recorded")
             return False
         return self._collective or self._rank == 0
 
@@ -1837,7 +2107,7 @@ class TrainingTelemetry:
                    "set_holdout_data on every rank); telemetry is off on every rank")
         if self.config.strict:
             raise RuntimeError(message)
-        self._warn_once("ranks-differ", message)
+        self._warn("ranks-differ", message)
         return False
 
     def _reduced(self, section: str, shapes: List[tuple], local: Callable[[], tuple],
@@ -1987,42 +2257,10 @@ class TrainingTelemetry:
         if present:
             sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms(
                 [g.to_dense() if g.is_sparse else g for g in present], device)
-        scale = self._grad_scale(optimizer, pre_step)
+        scale = self._scaler.scale_of(optimizer, pre_step)
         if scale is not None:
             sq = sq / scale.to(device, torch.float32).square()
         return sq, has
-
-    def _grad_scale(self, optimizer: Any, pre_step: bool) -> Optional[torch.Tensor]:
-        """The factor the gradients are still multiplied by (the GradScaler's scale), or None.
-
-        torch.amp.GradScaler keeps a stage per optimizer until update(): UNSCALED after scaler.unscale_,
-        STEPPED after scaler.step(), which unscales in place first (fused optimizers write the unscaled
-        gradients back too): both read as unscaled. READY, or no entry, means neither ran yet: scaled. But
-        update() clears the entries, so a missing entry in on_batch_end (after the step, by contract) reads
-        as unscaled, and in capture_gradients (before the step, by contract) as scaled.
-        """
-        scaler = self._scaler
-        if scaler is None or not scaler.is_enabled() or optimizer is None:
-            return None
-        state = scaler._per_optimizer_states.get(id(optimizer))  # .get: a defaultdict would add an entry
-        stage = getattr(state["stage"], "name", None) if state else None
-        if stage in ("UNSCALED", "STEPPED") or (stage is None and not pre_step):
-            return None
-        return scaler._get_scale_async()  # None before the first scaler.scale(): nothing is scaled
-
-    def _track_scale(self) -> None:
-        # update() backs the scale off exactly when it skipped the step (inf/NaN gradients): count the
-        # drops between calls, on the device, so no call waits for the GPU.
-        scale = self._scaler._get_scale_async()
-        if scale is None:
-            return
-        if self._scale_seen is not None:
-            self._skipped = self._skipped + (scale < self._scale_seen).long()
-        self._scale_seen = scale.clone()
-
-    def _grad_scaler_section(self) -> Dict[str, Any]:
-        scale = self._scaler._get_scale_async()
-        return {"scale": scale if scale is not None else self._scaler.get_scale(), "skipped_steps": self._skipped}
 
     def _usable_reference(self, named: List[tuple]) -> Optional[str]:
         """The weight reference on disk when it holds exactly these tensors (this rank's parts, if sharded)."""
@@ -2030,8 +2268,8 @@ class TrainingTelemetry:
             return None
         if reference_matches(self.checkpoint_file, named):
             return self.checkpoint_file
-        self._warn_once("reference", "telemetry: the weight reference on disk does not match the trainable "
-                                     "parameters (this rank's part of them, when sharded); the delta restarts here")
+        self._warn("reference", "telemetry: the weight reference on disk does not match the trainable "
+                                "parameters (this rank's part of them, when sharded); the delta restarts here")
         return None
 
     def _weight_delta(self, layout: _Layout) -> Dict[str, Any]:
@@ -2341,7 +2579,7 @@ class TrainingTelemetry:
 
     def _add_extras(self, record, errors, model, optimizer, batch_idx, epoch, batch, loss, started) -> None:
         if self.config.track_system:
-            self._add(record, errors, "system", self._system, model, batch, started)
+            self._add(record, errors, "system", self._clock.section, model, batch, started, self.step)
         if self._metrics:
             context = {"step": self.step, "batch_idx": batch_idx, "epoch": epoch, "batch": batch, "loss": loss}
             custom = {}
@@ -2365,7 +2603,7 @@ class TrainingTelemetry:
             if "layer_stats" in record and not self._collective:
                 self._add(record, errors, "layer_stats", lambda: to_host(self._layer_stats(layout, True)))
         if self.config.alerts:
-            self._add(record, errors, "alerts", self._alerts, record)
+            self._add(record, errors, "alerts", self._alerts.check, record)
 
     def _initial_reference(self, named: List[tuple]) -> Optional[str]:
         """The W_0 file of drift: kept while it matches the model (across resumes too), else written now."""
@@ -2373,8 +2611,8 @@ class TrainingTelemetry:
         if os.path.exists(path):
             if reference_matches(path, named):
                 return path
-            self._warn_once("initial", "telemetry: initial_weights.safetensors does not match the model's "
-                                       "trainable parameters; drift restarts from here")
+            self._warn("initial", "telemetry: initial_weights.safetensors does not match the model's "
+                                  "trainable parameters; drift restarts from here")
         self._write_file(write_tensor_file, path, named)
         return path if self._enabled and os.path.exists(path) else None
 
@@ -2389,8 +2627,8 @@ class TrainingTelemetry:
         except Exception as exc:
             if self.config.strict:
                 raise
-            self._warn_once("initial", f"telemetry: could not keep the initial weights ({exc!r}); drift is "
-                                       "measured from the first collection")
+            self._warn("initial", f"telemetry: could not keep the initial weights ({exc!r}); drift is "
+                                  "measured from the first collection")
 
     def _update_ratio(self, layout: _Layout) -> Dict[str, Any]:
         changes = self._changes
@@ -2499,127 +2737,12 @@ class TrainingTelemetry:
         names = list(dict.fromkeys(layout.names[i] for i in sorted(bad)))
         return names or None
 
-    def _alerts(self, record: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
-        """Alerts whose condition starts in this record (each condition is reported once while it holds).
-
-        State is O(1): two fixed-size windows (loss, gradient norm) and one streak counter per group.
-        """
-        cfg = self.config
-        self._collections += 1
-        holding: Dict[tuple, Dict[str, Any]] = {}
-
-        def hold(code, severity, message, group=None):
-            if (code, group) not in holding:
-                alert = {"code": code, "severity": severity, "message": message}
-                if group is not None:
-                    alert["group"] = group
-                holding[(code, group)] = alert
-
-        _, paths = replace_nonfinite(record)
-        paths = [p for p in paths if not p.startswith(("update_ratio", "custom"))]
-        tensors = record.get("nonfinite_params") or []
-        if paths or tensors:
-            shown = ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "")
-            if tensors:
-                shown += f" (tensors: {', '.join(tensors[:4])}{', ...' if len(tensors) > 4 else ''})"
-            hold("nonfinite", "critical", f"non-finite values: {shown.strip()}")
-        loss = record.get("loss")
-        if _finite_number(loss):
-            history = self._alert_history["loss"]
-            if len(history) >= MIN_ALERT_HISTORY:
-                z = robust_z(history, loss)
-                if z > cfg.alert_spike_threshold:
-                    hold("loss_spike", "warning", f"loss {loss:.4g} is {z:.1f} robust SDs above its rolling "
-                                                  f"median {statistics.median(history):.4g}")
-            history.append(loss)
-        norm = (record.get("gradient_norm") or {}).get("overall")
-        if _finite_number(norm):
-            history = self._alert_history["grad"]
-            if len(history) >= MIN_ALERT_HISTORY:
-                median = statistics.median(history)
-                z = robust_z(history, norm)
-                # An explosion is a spike that is also an order of magnitude: late in training gradient norms
-                # are heavy-tailed (one hard batch among fitted ones), and that alone is not one.
-                if z > cfg.alert_spike_threshold and norm > cfg.alert_explosion_factor * median > 0:
-                    hold("grad_explosion", "critical", f"gradient norm {norm:.4g} is {norm / median:.0f}x its "
-                                                       f"rolling median {median:.4g}")
-                elif z > cfg.alert_spike_threshold:
-                    hold("grad_spike", "warning", f"gradient norm {norm:.4g} is {z:.1f} robust SDs above its "
-                                                  f"rolling median {median:.4g}")
-            history.append(norm)
-        lrs = {g: v for g, v in (record.get("learning_rates") or {}).items()
-               if g not in ("overall", "not_in_optimizer") and _finite_number(v)}
-        if any(v > 0 for v in lrs.values()):
-            for group, lr in lrs.items():
-                if lr == 0:
-                    hold("lr_zero", "warning", f"group {group!r} has learning rate 0 while other groups train",
-                         group)
-        moved = "weight_delta" if "weight_delta" in record else "update_ratio"
-        for kind, section in (("gradient", "gradient_norm"), ("update", moved)):
-            values = record.get(section) or {}
-            moving = _finite_number(values.get("overall")) and values["overall"] > 0
-            for group, value in values.items():
-                if group == "overall":
-                    continue
-                # The first collection never counts: LoRA's A has an exactly-zero gradient at step 1.
-                frozen = moving and _finite_number(value) and value == 0 and self._collections > 1
-                streak = self._frozen_streak.get((kind, group), 0) + 1 if frozen else 0
-                self._frozen_streak[(kind, group)] = streak
-                if streak >= 2:
-                    hold("frozen_group", "warning", f"group {group!r}: {kind} exactly 0 for {streak} collections "
-                                                    "while other groups move", group)
-        new = [alert for key, alert in holding.items() if key not in self._alert_active]
-        self._alert_active = set(holding)
-        for alert in new:
-            _LOGGER.warning("telemetry alert at step %s [%s]: %s", record.get("step"), alert["code"],
-                            alert["message"])
-        self._pending_alerts.extend(new)
-        return new or None
-
     def _dispatch_alerts(self, record: Optional[Dict[str, Any]]) -> None:
         # Outside the hook's error guard: what on_alert raises (e.g. to stop training) reaches the loop.
-        pending, self._pending_alerts = self._pending_alerts, []
+        pending = self._alerts.take()
         if self.on_alert is not None and record is not None:
             for alert in pending:
                 self.on_alert(dict(alert, step=record["step"]))
-
-    def _system(self, model: torch.nn.Module, batch: Any, started: float) -> Dict[str, Any]:
-        """Wall time per step and throughput since the previous collection, memory, GPU utilisation.
-
-        Throughput assumes the batches since then were the size of this one. telemetry_share is the previous
-        collection's own time over the wall time since it started. cuda_peak_mb is the peak since the
-        process started (the counter is not reset: that is the user's to do).
-        """
-        out: Dict[str, Any] = {}
-        last, self._system_last = self._system_last, (started, self.step)
-        if last is not None and self.step > last[1] and started > last[0]:
-            elapsed, steps = started - last[0], self.step - last[1]
-            out["step_time_s"] = elapsed / steps
-            if batch is not None:
-                try:
-                    out["examples_per_s"] = batch_size_of(batch) * steps / elapsed
-                except TypeError:
-                    pass
-                ids = batch.get("input_ids") if isinstance(batch, dict) else None
-                if isinstance(ids, torch.Tensor):
-                    mask = batch.get("attention_mask")
-                    tokens = mask.sum() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else ids.numel()
-                    out["tokens_per_s"] = tokens * steps / elapsed
-            out["telemetry_share"] = self._last_ms / 1e3 / elapsed
-        rss = _rss_mb()
-        if rss is not None:
-            out["rss_mb"] = rss
-        device = next((p.device for p in model.parameters()), None)
-        if device is not None and device.type == "cuda":
-            out["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
-            out["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
-            out["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-            if not self._no_gpu_util:
-                try:
-                    out["gpu_util_pct"] = float(torch.cuda.utilization(device))  # imports pynvml lazily
-                except Exception:  # no nvidia-ml-py, or no NVML: the key is absent
-                    self._no_gpu_util = True
-        return out
 
     @staticmethod
     def _custom_metric(fn: Callable, model, optimizer, context) -> Dict[str, Any]:
@@ -2640,8 +2763,8 @@ class TrainingTelemetry:
         if self._collective:  # it rewrites the weights from whole references, which no rank holds
             raise NotImplementedError("sparse_quality does not support sharded (FSDP2) parameters")
         if not self._holdout:
-            self._warn_once("sparse-holdout", "telemetry: track_sparse_quality needs holdout inputs "
-                                              "(set_holdout_data); skipped")
+            self._warn("sparse-holdout", "telemetry: track_sparse_quality needs holdout inputs "
+                                         "(set_holdout_data); skipped")
             return None
         if files is None or self._changes is None or "below" not in self._changes:
             return None  # the first collection: no update to sparsify yet
@@ -2847,11 +2970,11 @@ class TrainingTelemetry:
         if not norms:
             return
         if norms.get("overall") is None:
-            self._warn_once("no-grad", "telemetry: no gradients at collection time, recorded as null. "
-                                       "Call on_batch_end after optimizer.step() and before zero_grad().")
+            self._warn("no-grad", "telemetry: no gradients at collection time, recorded as null. "
+                                  "Call on_batch_end after optimizer.step() and before zero_grad().")
         elif norms["overall"] == 0.0:
-            self._warn_once("zero-grad", "telemetry: every gradient is exactly 0. If zero_grad() ran "
-                                         "before on_batch_end, call on_batch_end before zero_grad().")
+            self._warn("zero-grad", "telemetry: every gradient is exactly 0. If zero_grad() ran "
+                                    "before on_batch_end, call on_batch_end before zero_grad().")
 
     # ---- I/O ---------------------------------------------------------------------------------------
 
@@ -2861,53 +2984,9 @@ class TrainingTelemetry:
         if self._holding:
             self._held.append(record)
             return
-        self._mirror(record)  # first, so that a mirror's error is in the line
+        self._mirrors.send(record)  # first, so that a mirror's error is in the line
         line = json.dumps(record, allow_nan=False, separators=(",", ":"), default=_json_default)
         self._write_file(self._append_line, line)
-
-    def _mirror(self, record: Dict[str, Any]) -> None:
-        """Send the record's numbers to the configured mirrors; a failure lands in the record's errors
-        (mirror_<name>), warned about once, and never stops the JSONL line."""
-        flat = None
-        for name in self.config.mirror:
-            if name in self._mirror_off:
-                continue
-            try:
-                flat = flatten_scalars(record) if flat is None else flat
-                (self._mirror_wandb if name == "wandb" else self._mirror_tensorboard)(flat, record["step"])
-            except Exception as exc:
-                if self.config.strict:
-                    raise
-                if isinstance(exc, ImportError):  # not installed: stop trying
-                    self._mirror_off.add(name)
-                message = f"{type(exc).__name__}: {exc}"
-                record.setdefault("errors", {})[f"mirror_{name}"] = message
-                self._warn_once(f"mirror:{name}", f"telemetry: the {name} mirror failed ({message}); "
-                                                  "telemetry.jsonl is unaffected")
-
-    def _mirror_wandb(self, flat: Dict[str, float], step: int) -> None:
-        import wandb  # lazy: only with mirror: [wandb]
-
-        run = wandb.run
-        if run is None:
-            self._warn_once("wandb-run", "telemetry: mirror wandb: no active run (call wandb.init() first); "
-                                         "records are not mirrored until there is one")
-            return
-        if run is not self._wandb_run:
-            # Our own x axis: logging with step= would fight other loggers' steps (wandb drops older ones).
-            run.define_metric("telemetry/step")
-            run.define_metric("telemetry/*", step_metric="telemetry/step")
-            self._wandb_run = run
-        run.log({**flat, "telemetry/step": step})
-
-    def _mirror_tensorboard(self, flat: Dict[str, float], step: int) -> None:
-        if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter  # lazy: needs the tensorboard package
-
-            self._tb = SummaryWriter(os.path.join(self.output_dir, "tb"))
-        for key, value in flat.items():
-            self._tb.add_scalar(key, value, global_step=step)
-        self._tb.flush()
 
     def _release_held(self) -> None:
         """Write the records held back for the Trainer's log (see hf_callback_class), in order."""
@@ -2940,8 +3019,8 @@ class TrainingTelemetry:
                 self._no_writes = True
             else:
                 self._enabled = False
-            self._warn_once("disk", f"telemetry: cannot write to {self.output_dir} ({exc}); telemetry is "
-                                    "off for the rest of this run, training goes on")
+            self._warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}); telemetry is "
+                               "off for the rest of this run, training goes on")
 
     def _load_run_info(self) -> Dict[str, Any]:
         try:
@@ -2982,11 +3061,6 @@ class TrainingTelemetry:
                     chunk *= 4
         except OSError:
             return 0
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 # =====================================================================================================
