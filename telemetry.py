@@ -212,6 +212,11 @@ class TelemetryConfig:
         if self.enabled and self.output_dir is not None:
             _check_writable_dir("output_dir", self.output_dir)
 
+    @property
+    def keeps_reference(self) -> bool:
+        """Whether collections stream and rewrite the weight reference (several sections share one pass)."""
+        return self.track_weight_delta or self.track_update_ratio or self.track_param_change or self.track_sparse_quality
+
     @classmethod
     def from_dict(cls, config_dict: Dict[str, Any]) -> "TelemetryConfig":
         """Build from a dict (e.g. a YAML section). Unknown keys are an error, never silently dropped."""
@@ -299,6 +304,10 @@ def group_norms(per_tensor_sq: torch.Tensor, membership: torch.Tensor) -> torch.
     Groups of one partition are disjoint, so their squared norms add up to the overall squared norm.
     """
     return (membership.to(per_tensor_sq.device) @ per_tensor_sq).sqrt()
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.is_sparse else t
 
 
 def classification_holdout(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, Any]:
@@ -447,25 +456,24 @@ def batch_size_of(batch: Any) -> int:
     raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """The batch with fn applied to every tensor leaf: dicts, lists and tuples are rebuilt, other leaves kept."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
+
+
 def slice_batch(batch: Any, n: int) -> Any:
     """The first n examples of a batch (tensors along dim 0; other leaves unchanged)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:n] if batch.dim() else batch
-    if isinstance(batch, dict):
-        return {k: slice_batch(v, n) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_batch(v, n) for v in batch)
-    return batch
+    return map_tensors(lambda t: t[:n] if t.dim() else t, batch)
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to(v, device) for v in batch)
-    return batch
+    return map_tensors(lambda t: t.to(device), batch)
 
 
 # ---- records: one transfer to the host, strict JSON ------------------------------------------------
@@ -984,16 +992,7 @@ def rank_share(batch: Any, rank: int, world_size: int) -> tuple:
         return batch, False
     start = rank * (n // world_size) + min(rank, n % world_size)
     stop = start + n // world_size + (1 if rank < n % world_size else 0)
-
-    def cut(x):
-        if isinstance(x, torch.Tensor):
-            return x[start:stop] if x.dim() and x.shape[0] == n else x
-        if isinstance(x, dict):
-            return {k: cut(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(cut(v) for v in x)
-        return x
-    return cut(batch), True
+    return map_tensors(lambda x: x[start:stop] if x.dim() and x.shape[0] == n else x, batch), True
 
 
 def full_gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -1251,6 +1250,90 @@ def _negatives(signs: torch.Tensor) -> torch.Tensor:
     return (torch.dot(signs, signs) - signs.sum()).div(2).round()
 
 
+class _Scratch:
+    """Reused float32 buffers, one per (slot, device), grown as needed: a pass allocates a few chunks in all."""
+
+    def __init__(self):
+        self.buffers: Dict[Any, torch.Tensor] = {}
+
+    def get(self, slot: str, dev: torch.device, n: int) -> torch.Tensor:
+        buf = self.buffers.get((slot, dev))
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[(slot, dev)] = torch.empty(n, dtype=torch.float32, device=dev)
+        return buf[:n]
+
+    def as_float(self, x: torch.Tensor, slot: str, dev: torch.device) -> torch.Tensor:
+        """x as float32 on dev, copied (and converted) only when it is not already."""
+        return x if x.dtype == torch.float32 and x.device == dev else self.get(slot, dev, x.numel()).copy_(x)
+
+
+@dataclass
+class _ChangePass:
+    """The sums of one streamed pass over chunks of the weights, their reference and their initial values
+    (see streamed_weight_changes). accumulate() may run on several threads, each over its own chunks."""
+    flats: List[torch.Tensor]
+    refs: Optional[List[torch.Tensor]]
+    release_ref: Optional[Callable]
+    inits: Optional[List[torch.Tensor]]
+    release_init: Optional[Callable]
+    detail: bool
+    thresholds: List[float]
+    rel_thresholds: List[float]
+    wide: torch.dtype  # float64, or float32 on mps
+
+    def zeros(self) -> Dict[str, List[torch.Tensor]]:
+        def each(dtype, *shape):
+            return [torch.zeros(shape, dtype=dtype, device=w.device) for w in self.flats]
+        keys = (["weight_sq"] + (["delta_sq"] if self.refs is not None else [])
+                + (["drift_sq"] if self.inits is not None else []))
+        acc = {k: each(torch.float32) for k in keys}
+        if self.detail:
+            acc.update(l1=each(self.wide), sum=each(self.wide), max_abs=each(self.wide), flips=each(torch.int64),
+                       below=each(torch.int64, len(self.thresholds)),
+                       below_rel=each(torch.int64, len(self.rel_thresholds)))
+        return acc
+
+    def accumulate(self, part: List[tuple]) -> Dict[str, List[torch.Tensor]]:
+        """The sums over the chunks (tensor index, start, elements) of `part`, with scratch buffers of its own."""
+        acc, scratch = self.zeros(), _Scratch()
+        for i, start, n in part:
+            dev = self.flats[i].device
+            wc = scratch.as_float(self.flats[i][start:start + n], "w", dev)
+            acc["weight_sq"][i] += torch.dot(wc, wc)
+            if self.refs is not None:
+                rc = scratch.as_float(self.refs[i].view(-1)[start:start + n], "r", dev)
+                d = torch.sub(wc, rc, out=scratch.get("d", dev, n))
+                acc["delta_sq"][i] += torch.dot(d, d)
+                if self.detail:
+                    self._details(acc, i, wc, rc, d, scratch)
+                self.release_ref(i, start, n)
+            if self.inits is not None:
+                r0 = scratch.as_float(self.inits[i].view(-1)[start:start + n], "r0", dev)
+                d0 = torch.sub(wc, r0, out=scratch.get("d", dev, n))
+                acc["drift_sq"][i] += torch.dot(d0, d0)
+                self.release_init(i, start, n)
+        return acc
+
+    def _details(self, acc, i: int, wc: torch.Tensor, rc: torch.Tensor, d: torch.Tensor, scratch: _Scratch) -> None:
+        # Counts come from s = sign(x) in {-1, 0, 1}: #(s < 0) = (s.s - sum s) / 2, exact in float32 for a
+        # chunk, and cheaper than a bool mask and its sum. sign(|d| - t) < 0 iff |d| < t.
+        dev, n, wide = wc.device, wc.numel(), self.wide
+        acc["sum"][i] += d.sum().to(wide)
+        a = torch.abs(d, out=scratch.get("a", dev, n))
+        acc["l1"][i] += a.sum().to(wide)
+        acc["max_abs"][i] = torch.maximum(acc["max_abs"][i], a.max().to(wide))
+        s = torch.sign(wc, out=scratch.get("d", dev, n)).mul_(torch.sign(rc, out=scratch.get("s", dev, n)))
+        acc["flips"][i] += _negatives(s).long()
+        if self.thresholds:  # |d| <= t  <=>  not (t - |d| < 0)
+            acc["below"][i] += n - torch.stack([
+                _negatives(torch.sub(t, a, out=scratch.get("d", dev, n)).sign_()) for t in self.thresholds]).long()
+        if self.rel_thresholds:
+            ra = torch.abs(rc, out=scratch.get("s", dev, n))
+            acc["below_rel"][i] += n - torch.stack([
+                _negatives(torch.mul(ra, t, out=scratch.get("d", dev, n)).sub_(a).sign_())
+                for t in self.rel_thresholds]).long()
+
+
 def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = None,
                             initial_path: Optional[str] = None, thresholds: List[float] = (),
                             rel_thresholds: List[float] = (), detail: bool = False) -> Dict[str, torch.Tensor]:
@@ -1275,71 +1358,15 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     names = [n for n, _ in named]
     if reference_path is None and initial_path is None:
         return {"weight_sq": per_tensor_sq_norms([w.detach() for _, w in named], device)}
-    wide = torch.float32 if device.type == "mps" else torch.float64
-    detail = detail and reference_path is not None
     flats = [w.detach().reshape(-1) for _, w in named]
     # Both files hold the same names, shapes and dtypes as the weights (reference_matches), so chunks line up.
     refs, release_ref = map_tensor_file(reference_path, names) if reference_path else (None, None)
     inits, release_init = map_tensor_file(initial_path, names) if initial_path else (None, None)
-
-    def zeros(dtype, dev, *shape):
-        return torch.zeros(shape, dtype=dtype, device=dev)
-
-    def accumulate(part: List[tuple]) -> Dict[str, List[torch.Tensor]]:
-        """The sums over some of the chunks, with scratch buffers of its own (it may run on a thread)."""
-        scratch: Dict[Any, torch.Tensor] = {}
-
-        def buffer(slot, dev, n, dtype=torch.float32):
-            buf = scratch.get((slot, dev))
-            if buf is None or buf.numel() < n:
-                buf = scratch[(slot, dev)] = torch.empty(n, dtype=dtype, device=dev)
-            return buf[:n]
-
-        def as_float(x, slot, dev):  # float32 on dev, copied (and converted) only when it is not already
-            return x if x.dtype == torch.float32 and x.device == dev else buffer(slot, dev, x.numel()).copy_(x)
-
-        keys = ["weight_sq"] + (["delta_sq"] if refs is not None else []) + (["drift_sq"] if inits is not None else [])
-        acc = {k: [zeros(torch.float32, w.device) for w in flats] for k in keys}
-        if detail:
-            for k in ("l1", "sum", "max_abs"):
-                acc[k] = [zeros(wide, w.device) for w in flats]
-            acc["flips"] = [zeros(torch.int64, w.device) for w in flats]
-            acc["below"] = [zeros(torch.int64, w.device, len(thresholds)) for w in flats]
-            acc["below_rel"] = [zeros(torch.int64, w.device, len(rel_thresholds)) for w in flats]
-        for i, start, n in part:
-            dev = flats[i].device
-            wc = as_float(flats[i][start:start + n], "w", dev)
-            acc["weight_sq"][i] += torch.dot(wc, wc)
-            if refs is not None:
-                rc = as_float(refs[i].view(-1)[start:start + n], "r", dev)
-                d = torch.sub(wc, rc, out=buffer("d", dev, n))
-                acc["delta_sq"][i] += torch.dot(d, d)
-                if detail:
-                    # Counts come from s = sign(x) in {-1, 0, 1}: #(s < 0) = (s.s - sum s) / 2, exact in float32
-                    # for a chunk, and cheaper than a bool mask and its sum. sign(|d| - t) < 0 iff |d| < t.
-                    acc["sum"][i] += d.sum().to(wide)
-                    a = torch.abs(d, out=buffer("a", dev, n))
-                    acc["l1"][i] += a.sum().to(wide)
-                    acc["max_abs"][i] = torch.maximum(acc["max_abs"][i], a.max().to(wide))
-                    s = torch.sign(wc, out=buffer("d", dev, n)).mul_(torch.sign(rc, out=buffer("s", dev, n)))
-                    acc["flips"][i] += _negatives(s).long()
-                    if thresholds:  # |d| <= t  <=>  not (t - |d| < 0)
-                        acc["below"][i] += n - torch.stack([
-                            _negatives(torch.sub(t, a, out=buffer("d", dev, n)).sign_()) for t in thresholds]).long()
-                    if rel_thresholds:
-                        ra = torch.abs(rc, out=buffer("s", dev, n))
-                        acc["below_rel"][i] += n - torch.stack([
-                            _negatives(torch.mul(ra, t, out=buffer("d", dev, n)).sub_(a).sign_())
-                            for t in rel_thresholds]).long()
-                release_ref(i, start, n)
-            if inits is not None:
-                d0 = torch.sub(wc, as_float(inits[i].view(-1)[start:start + n], "r0", dev), out=buffer("d", dev, n))
-                acc["drift_sq"][i] += torch.dot(d0, d0)
-                release_init(i, start, n)
-        return acc
-
+    sums = _ChangePass(flats, refs, release_ref, inits, release_init, detail and reference_path is not None,
+                       list(thresholds), list(rel_thresholds),
+                       torch.float32 if device.type == "mps" else torch.float64)
     parts = _split_evenly(chunk_spans(flats), _pass_threads(flats))
-    accs = _concurrently(*[lambda part=part: accumulate(part) for part in parts])
+    accs = _concurrently(*[lambda part=part: sums.accumulate(part) for part in parts])
     acc = {k: [functools.reduce(torch.maximum if k == "max_abs" else torch.add, per_tensor)
                for per_tensor in zip(*(a[k] for a in accs))] for k in accs[0]}
     out = {k: torch.stack([v.to(device) for v in values]) for k, values in acc.items()}
@@ -1474,34 +1501,6 @@ def _ends_with_newline(path: str) -> bool:
 
 def _raise(exc: BaseException) -> None:
     raise exc
-
-
-# Per-tensor gradient statistics that sharded layer_stats all-reduces (max; min travels as max of -min).
-_STAT_ROWS = ("sum", "zeros", "nans", "infs", "numel", "max", "negmin", "weight_sq")
-
-
-@dataclass
-class _Layout:
-    """Trainable parameters in a fixed order and the groups they belong to (cached per model/optimizer)."""
-    key: tuple
-    names: List[str]
-    params: List[torch.nn.Parameter]
-    group_names: List[str]
-    membership: torch.Tensor  # [groups, params] 0/1 float32; rows [:first_partition] partition "overall"
-    first_partition: int
-    lr_names: List[str]
-    group_lrs: List[Callable[[], Any]]  # reads a group's current lr (0.0 for parameters no optimizer holds)
-
-
-@dataclass
-class _Pending:
-    """A section waiting for the cross-rank sum of its rows (see TrainingTelemetry._reduced)."""
-    section: str
-    shapes: List[tuple]
-    ops: List[str]  # "sum" or "max", per row
-    rows: Optional[List[torch.Tensor]]  # this rank's rows; None when local() raised here
-    error: Optional[BaseException]
-    finish: Callable[..., Any]
 
 
 class _Warnings:
@@ -1789,6 +1788,1138 @@ def _lr_zero_alerts(record: Dict[str, Any]):
                 yield "lr_zero", "warning", f"group {group!r} has learning rate 0 while other groups train", group
 
 
+# ---- the run directory ---------------------------------------------------------------------------
+
+
+class _RunFiles:
+    """The run directory's files: telemetry.jsonl (one line per record), run.json (what the run is), and the
+    records the HF callback holds back until the Trainer has logged their step. Rank 0 alone writes.
+
+    A write that fails (full or unwritable disk) is warned about once; then telemetry stops, or, on a rank
+    that other ranks wait for in collectives (lockstep), it goes on collecting and stops writing.
+    """
+
+    def __init__(self, output_dir: str, config: TelemetryConfig, warn: _Warnings, mirrors: _Mirrors):
+        self.output_dir = output_dir
+        self.records_path = os.path.join(output_dir, RECORDS_FILE)
+        self.run_path = os.path.join(output_dir, RUN_FILE)
+        self.strict, self.warn, self.mirrors = config.strict, warn, mirrors
+        self.writer = _rank_and_world()[0] == 0
+        self.lockstep = False
+        self.stopped = False  # a write failed: telemetry is off for the rest of the run
+        self.skip = False  # a write failed on a lockstep rank: it keeps collecting and writes nothing
+        self.handle: Any = None
+        self.holding = False
+        self.held: List[Dict[str, Any]] = []
+        self.info: Dict[str, Any] = {}
+
+    def start(self, config: TelemetryConfig) -> int:
+        """Record this start in run.json; returns the step of the last readable record (a resume goes on)."""
+        os.makedirs(self.output_dir, exist_ok=True)
+        step = self._last_logged_step()
+        self.info = self._load_info()
+        self.info["starts"].append(datetime.datetime.now().isoformat())
+        self.info.update(schema=SCHEMA_VERSION, torch_version=torch.__version__, config=dataclasses.asdict(config))
+        self.write_info()
+        return step
+
+    def update_info(self, **values: Any) -> None:
+        self.info.update(values)
+        self.write_info()
+
+    def write_info(self) -> None:
+        if not self.writer:
+            return
+
+        def write(path, info):
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(info, f, indent=1, default=_json_default)
+            os.replace(path + ".tmp", path)
+        self.write(write, self.run_path, self.info)
+
+    def append(self, record: Dict[str, Any]) -> None:
+        if not self.writer:  # one writer per run
+            return
+        if self.holding:
+            self.held.append(record)
+            return
+        self.mirrors.send(record)  # first, so that a mirror's error is in the line
+        line = json.dumps(record, allow_nan=False, separators=(",", ":"), default=_json_default)
+        self.write(self._append_line, line)
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Records made inside are held back until release()."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+
+    def release(self) -> None:
+        """Write the held records, in order."""
+        held, self.held, holding = self.held, [], self.holding
+        self.holding = False
+        try:
+            for record in held:
+                self.append(record)
+        finally:
+            self.holding = holding
+
+    def write(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args), a write; on a full or unwritable disk, warn once and stop (training goes on)."""
+        if self.skip:
+            return None
+        try:
+            return fn(*args)
+        except OSError as exc:
+            if self.strict:
+                raise
+            if self.lockstep:  # the other ranks still collect: keep taking part, stop writing
+                self.skip = True
+            else:
+                self.stopped = True
+            self.warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}); telemetry is "
+                              "off for the rest of this run, training goes on")
+            return None
+
+    def close(self) -> None:
+        self.release()
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+    def _append_line(self, line: str) -> None:
+        if self.handle is None:
+            self.handle = open(self.records_path, "a", encoding="utf-8")
+            if self.handle.tell() and not _ends_with_newline(self.records_path):
+                self.handle.write("\n")  # a torn last line from a crash stays on its own line
+        self.handle.write(line + "\n")
+        self.handle.flush()
+
+    def _load_info(self) -> Dict[str, Any]:
+        try:
+            with open(self.run_path, encoding="utf-8") as f:
+                info = json.load(f)
+            info.setdefault("starts", [])
+            return info
+        except (OSError, ValueError):
+            return {"starts": []}
+
+    def _last_logged_step(self) -> int:
+        """The step of the last readable record, so a resumed run keeps counting where it stopped."""
+        try:
+            with open(self.records_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                chunk = 1 << 16
+                while True:
+                    f.seek(max(0, size - chunk))
+                    lines = f.read(min(chunk, size)).splitlines()
+                    for line in reversed(lines[1:] if size > chunk else lines):
+                        try:
+                            return int(json.loads(line)["step"])
+                        except (ValueError, KeyError, TypeError):
+                            continue
+                    if size <= chunk:
+                        return 0
+                    chunk *= 4
+        except OSError:
+            return 0
+
+
+# ---- the layout: trainable parameters in a fixed order, and the groups they belong to ---------------
+
+
+@dataclass
+class _Layout:
+    """Trainable parameters in a fixed order and the groups they belong to (cached per model/optimizer)."""
+    key: tuple
+    names: List[str]
+    params: List[torch.nn.Parameter]
+    group_names: List[str]
+    membership: torch.Tensor  # [groups, params] 0/1 float32; rows [:first_partition] partition "overall"
+    first_partition: int
+    lr_names: List[str]
+    group_lrs: List[Callable[[], Any]]  # reads a group's current lr (0.0 for parameters no optimizer holds)
+    row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+
+    def nulls(self) -> Dict[str, Any]:
+        """A per-group section with nothing measured (no reference yet, no gradients)."""
+        return {"overall": None, **{g: None for g in self.group_names}}
+
+    def by_group(self, per_tensor_sq: torch.Tensor, has: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+        """Per-group norms from per-tensor squared norms; with `has`, a group without any tensor that has
+        a value is null rather than 0."""
+        norms = group_norms(per_tensor_sq, self.membership)
+        out: Dict[str, Any] = {"overall": norms[:self.first_partition].square().sum().sqrt()}
+        counts = self.membership.cpu() @ torch.as_tensor(has, dtype=torch.float32) if has is not None else None
+        for i, name in enumerate(self.group_names):
+            out[name] = None if counts is not None and counts[i] == 0 else norms[i]
+        return out
+
+    def learning_rates(self) -> Dict[str, Any]:
+        lrs = {name: read() for name, read in zip(self.lr_names, self.group_lrs)}
+        plain = [v for v in lrs.values() if not isinstance(v, torch.Tensor)]
+        tensors = [v for v in lrs.values() if isinstance(v, torch.Tensor)]
+        overall = max(plain + [t.max() for t in tensors]) if tensors else max(plain, default=None)
+        return {"overall": overall, **lrs}
+
+    def local_named(self) -> List[tuple]:
+        """(name, this rank's part of the tensor) for every trainable tensor."""
+        return [(n, local_part(p)) for n, p in zip(self.names, self.params)]
+
+    def rows(self, by: str) -> tuple:
+        """(row names, row of each tensor as a device LongTensor, the same as a list) for by = layer, group,
+        tensor or component. Tensors that match no row (components only) get row len(rows)."""
+        hit = self.row_cache.get(by)
+        if hit is not None:
+            return hit
+        if by == "tensor":
+            labels = list(self.names)
+        elif by == "group":
+            first = self.membership[:self.first_partition]
+            labels = [self.group_names[int(first[:, i].argmax())] for i in range(len(self.params))]
+        elif by == "layer":
+            labels = [layer_key(n) for n in self.names]
+        else:
+            labels = [component_of(n) for n in self.names]
+        rows = list(dict.fromkeys(label for label in labels if label is not None))
+        position = {row: k for k, row in enumerate(rows)}
+        as_list = [position.get(label, len(rows)) for label in labels]
+        device = self.params[0].device if self.params else "cpu"
+        hit = self.row_cache[by] = (rows, torch.tensor(as_list, dtype=torch.long, device=device), as_list)
+        return hit
+
+
+def _layout_key(model: torch.nn.Module, optimizer: Any) -> tuple:
+    opt_groups = getattr(optimizer, "param_groups", None) or []
+    return (id(model), id(optimizer), tuple(len(g["params"]) for g in opt_groups),
+            sum(p.requires_grad for p in model.parameters()))
+
+
+def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig) -> tuple:
+    """(_Layout, partitions): the trainable parameters and their groups. The first partition is the config's
+    name patterns, else the optimizer's param groups (by their "name"), else one group "all"; with LoRA a
+    second partition (lora_A, lora_B, ...) comes beside it. Each group reads its learning rate live."""
+    opt_groups = getattr(optimizer, "param_groups", None) or []
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names, params = [n for n, _ in named], [p for _, p in named]
+    opt_index = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"]}
+    opt_names = [str(g.get("name") or f"group_{gi}") for gi, g in enumerate(opt_groups)]
+
+    def reader(gi):
+        return (lambda: opt_groups[gi]["lr"]) if gi is not None else (lambda: 0.0)
+
+    def majority(idx):  # the optimizer group that holds most of these tensors
+        held = [opt_index.get(id(params[i])) for i in idx]
+        return reader(max(set(held), key=held.count) if held else None)
+
+    readers: Dict[str, Callable] = {}
+    if config.groups:
+        first = _partition_by_patterns(names, config.groups)
+        readers.update((g, majority(idx)) for g, idx in first.items())
+        # The optimizer's groups too: the record shows both.
+        readers.update((n, reader(gi)) for gi, n in enumerate(opt_names) if n not in first)
+    elif opt_groups:
+        by_opt: Dict[str, List[int]] = {n: [] for n in opt_names}
+        for i, p in enumerate(params):
+            gi = opt_index.get(id(p))
+            by_opt.setdefault(opt_names[gi] if gi is not None else "not_in_optimizer", []).append(i)
+        # A group with no trainable parameter (the HF Trainer's empty no-decay group) has a learning
+        # rate but no gradient or delta: a 0 there would read as a frozen group.
+        first = {n: idx for n, idx in by_opt.items() if idx}
+        readers.update((n, reader(gi)) for gi, n in enumerate(opt_names))
+        if by_opt.get("not_in_optimizer"):
+            readers["not_in_optimizer"] = reader(None)
+    else:
+        first = {"all": list(range(len(params)))}
+        readers["all"] = reader(None)
+    partitions = [first]
+    if config.track_lora and not config.groups:  # LoRA groups, beside the optimizer's
+        lora = _lora_partition(model, params, first)
+        if lora:
+            partitions.append(lora)
+            readers.update((g, majority(idx)) for g, idx in lora.items())
+    group_names = [g for part in partitions for g in part]
+    membership = torch.zeros(len(group_names), len(params))
+    for row, idx in enumerate(idx for part in partitions for idx in part.values()):
+        membership[row, idx] = 1.0
+    # Learning rates also name optimizer groups that hold no trainable parameter of their own here.
+    lr_names = group_names + [n for n in readers if n not in group_names]
+    layout = _Layout(key=_layout_key(model, optimizer), names=names, params=params, group_names=group_names,
+                     membership=membership, first_partition=len(first), lr_names=lr_names,
+                     group_lrs=[readers[g] for g in lr_names])
+    return layout, partitions
+
+
+def _partition_by_patterns(names: List[str], groups: Dict[str, List[str]]) -> Dict[str, List[int]]:
+    """Each tensor in the first group with a matching pattern; the others in "other" (absent when empty)."""
+    chosen: Dict[str, List[int]] = {g: [] for g in groups}
+    for i, name in enumerate(names):
+        group = next((g for g, pats in groups.items() if any(param_matches(name, p) for p in pats)), "other")
+        chosen.setdefault(group, []).append(i)
+    return {g: idx for g, idx in chosen.items() if idx or g != "other"}
+
+
+def _lora_partition(model, params, first: Dict[str, List[int]]) -> Dict[str, List[int]]:
+    """lora_A, lora_B, lora_magnitude (DoRA) and the other trainable parameters, when there is LoRA.
+
+    A group that the first partition already has with the same members is left out (same numbers), and
+    so is "other" when some optimizer group holds exactly those; a name the first partition uses for
+    other members gets a "_lora" suffix, so record keys never collide.
+    """
+    roles: Dict[int, str] = {}
+    for _, module, adapter in find_lora_modules(model):
+        a, b = lora_factors(module, adapter)
+        roles[id(a)], roles[id(b)] = "lora_A", "lora_B"
+        m = dora_magnitude(module, adapter)
+        if m is not None:
+            roles[id(m)] = "lora_magnitude"
+    if not roles:
+        return {}
+    part: Dict[str, List[int]] = {"lora_A": [], "lora_B": [], "lora_magnitude": [], "other": []}
+    for i, p in enumerate(params):
+        part[roles.get(id(p), "other")].append(i)
+    same = [idx for idx in first.values()]
+    return {(g + "_lora" if g in first else g): idx for g, idx in part.items()
+            if idx and first.get(g) != idx and not (g == "other" and idx in same)}
+
+
+def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partitions: List[dict]) -> Dict[str, Any]:
+    """What run.json says about the parameters and groups."""
+    groups = {}
+    for part in partitions:
+        for g, idx in part.items():
+            groups[g] = {"tensors": len(idx), "elements": sum(layout.params[i].numel() for i in idx),
+                         "names": [layout.names[i] for i in idx]}
+    return dict(parameters={"total": sum(p.numel() for p in model.parameters()),
+                            "trainable": sum(p.numel() for p in layout.params)},
+                groups=groups, optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                world_size=1, rank=0)
+
+
+# ---- one collection ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Deferred:
+    """A section waiting for the cross-rank sum of its rows (see _Sharded.reduce)."""
+    section: str
+    shapes: List[tuple]
+    ops: List[str]  # "sum" or "max", per row
+    rows: Optional[List[torch.Tensor]]  # this rank's rows; None when local() raised here
+    error: Optional[BaseException]
+    finish: Callable[..., Any]
+
+
+@dataclass
+class _Collection:
+    """One collection, from on_batch_end to the JSON line: the record, its errors, and what its sections hand
+    to each other. It is made in _collect and dropped after it: nothing of one collection stays behind."""
+    record: Dict[str, Any]
+    started: float  # perf_counter at the start, for telemetry_ms and the system clock
+    strict: bool
+    warn: _Warnings
+    lockstep: bool = False  # other ranks wait for this one in collectives: strict errors wait for them
+    errors: Dict[str, str] = dataclasses.field(default_factory=dict)
+    layout: Optional[_Layout] = None
+    changes: Optional[Dict[str, Any]] = None  # the streamed weight pass, per tensor (see streamed_weight_changes)
+    previous_reference: Optional[str] = None  # the reference this collection replaced, kept for sparse quality
+    deferred: List[_Deferred] = dataclasses.field(default_factory=list)
+    strict_error: Optional[BaseException] = None
+
+    def run(self, section: str, fn: Callable, *args: Any) -> Any:
+        """fn(*args); an error is recorded under `section` and warned about once, and None is returned."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if self.strict and not self.lockstep:
+                raise
+            if self.strict and self.strict_error is None:
+                self.strict_error = exc  # raised once every rank is past the collectives
+            self.errors[section] = f"{type(exc).__name__}: {exc}"
+            self.warn(f"error:{section}", f"telemetry: {section} failed ({self.errors[section]}); it is "
+                                          "recorded under 'errors' and training goes on")
+            return None
+
+    def add(self, section: str, fn: Callable, *args: Any) -> None:
+        value = self.run(section, fn, *args)
+        if value is not None:
+            self.record[section] = value
+
+
+def _record_head(step: int, batch_idx: int, epoch: int, loss: Any, scalars: Dict[str, Any]) -> Dict[str, Any]:
+    record: Dict[str, Any] = {"schema": SCHEMA_VERSION, "step": step, "batch_idx": batch_idx, "epoch": epoch,
+                              "timestamp": datetime.datetime.now().isoformat()}
+    if loss is not None:
+        record["loss"] = loss.detach() if isinstance(loss, torch.Tensor) else loss
+    for key, value in scalars.items():
+        if key in record or key in _SECTION_KEYS:
+            raise ValueError(f"on_batch_end: extra scalar {key!r} clashes with a record key")
+        record[key] = value.detach() if isinstance(value, torch.Tensor) else value
+    return record
+
+
+def _null_ratios_of_zero_weights(record: Dict[str, Any]) -> None:
+    # ||W|| = 0 (a zero-initialised layer): no ratio, not an Inf.
+    ratio, norms = record.get("update_ratio"), record.get("weight_norm")
+    if isinstance(ratio, dict) and isinstance(norms, dict):
+        for group, norm in norms.items():
+            if norm == 0 and group in ratio:
+                ratio[group] = None
+
+
+def _warn_about_gradients(record: Dict[str, Any], warn: _Warnings) -> None:
+    norms = record.get("gradient_norm")
+    if not norms:
+        return
+    if norms.get("overall") is None:
+        warn("no-grad", "telemetry: no gradients at collection time, recorded as null. "
+                        "Call on_batch_end after optimizer.step() and before zero_grad().")
+    elif norms["overall"] == 0.0:
+        warn("zero-grad", "telemetry: every gradient is exactly 0. If zero_grad() ran "
+                          "before on_batch_end, call on_batch_end before zero_grad().")
+
+
+def custom_metric_values(fn: Callable, model, optimizer, context) -> Dict[str, Any]:
+    values = fn(model, optimizer, context)
+    if not isinstance(values, dict):
+        raise TypeError(f"returned a {type(values).__name__}, expected a dict of numbers")
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+        elif not (value is None or isinstance(value, (bool, int, float))):
+            raise TypeError(f"value {key!r} is a {type(value).__name__}, expected a number or a tensor")
+        out[str(key)] = value
+    return out
+
+
+# ---- the sections computed from the layout and the streamed weight pass -----------------------------
+
+
+def update_ratio_section(layout: _Layout, changes: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    if "delta_sq" not in changes:  # no reference yet: null, like weight_delta
+        return layout.nulls()
+    delta = layout.by_group(changes["delta_sq"])
+    weight = layout.by_group(changes["weight_sq"])
+    return {k: delta[k] / weight[k] for k in delta}
+
+
+def drift_section(layout: _Layout, changes: Dict[str, torch.Tensor]) -> Optional[Dict[str, Any]]:
+    return layout.by_group(changes["drift_sq"]) if "drift_sq" in changes else None
+
+
+def weight_norm_section(layout: _Layout, changes: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    return layout.by_group(changes["weight_sq"])
+
+
+def param_change_section(layout: _Layout, changes: Dict[str, Any], config: TelemetryConfig) -> Optional[Dict]:
+    if "l1" not in changes:
+        return None  # no reference yet: nothing changed "since the previous collection"
+    wide, device = changes["l1"].dtype, changes["l1"].device
+    numel = torch.tensor([p.numel() for p in layout.params], dtype=wide, device=device)
+    n = numel.sum().clamp(min=1)
+    sq = changes["delta_sq"].to(wide)
+    mean = changes["sum"].sum() / n
+    below = changes["below"][[changes["thresholds"].index(t) for t in config.param_change_thresholds]].to(wide)
+    below_rel = changes["below_rel"].to(wide)
+    out: Dict[str, Any] = {
+        "l2": sq.sum().sqrt(), "l1": changes["l1"].sum(), "max_abs": changes["max_abs"].max(), "mean": mean,
+        "std": (sq.sum() / n - mean.square()).clamp(min=0).sqrt(),
+        "sign_flip_fraction": changes["flips"].sum().to(wide) / n,
+        "sparsity": {threshold_key(t): below[k].sum() / n for k, t in enumerate(config.param_change_thresholds)},
+        "sparsity_rel": {threshold_key(t): below_rel[k].sum() / n
+                         for k, t in enumerate(config.param_change_rel_thresholds)}}
+    for key, by in (("per_layer", "layer"), ("per_component", "component")):
+        rows, index, _ = layout.rows(by)
+        if not rows:
+            continue
+
+        def total(v):  # the last row collects tensors that match no row
+            return torch.zeros(len(rows) + 1, dtype=wide, device=device).index_add_(0, index, v)
+
+        count = total(numel).clamp(min=1)
+        l2, mean_abs = total(sq).sqrt(), total(changes["l1"]) / count
+        shares = torch.stack([total(b) for b in below]) / count if len(below) else None
+        out[key] = {row: {"l2": l2[r], "mean_abs": mean_abs[r],
+                          "sparsity": {threshold_key(t): shares[k, r]
+                                       for k, t in enumerate(config.param_change_thresholds)}}
+                    for r, row in enumerate(rows)}
+    return out
+
+
+def nonfinite_params(layout: _Layout) -> Optional[List[str]]:
+    """Names of the trainable tensors whose weights or gradients hold NaN/Inf (one pass, one transfer).
+    Sharded: this rank's parts only (no collective here: ranks may disagree about running it)."""
+    if not layout.params:
+        return None
+    device = layout.params[0].device
+    with_grad = [i for i, p in enumerate(layout.params) if p.grad is not None]
+    grads = [local_part(layout.params[i].grad) for i in with_grad]
+    finite = torch.cat([per_tensor_finite([local_part(p).detach() for p in layout.params], device),
+                        per_tensor_finite([_dense(g) for g in grads], device)]).cpu().tolist()
+    n = len(layout.params)
+    bad = [i for i in range(n) if not finite[i]] + [i for k, i in enumerate(with_grad) if not finite[n + k]]
+    names = list(dict.fromkeys(layout.names[i] for i in sorted(bad)))
+    return names or None
+
+
+# Per-tensor rows of the layer_stats section, summed over ranks (max for max and for -min, which carries min).
+_STAT_ROWS = ("has", "sq", "sum", "zeros", "nans", "infs", "numel", "max", "negmin", "weight_sq")
+
+
+def _local_grad_stats(layout: _Layout) -> List[torch.Tensor]:
+    """The _STAT_ROWS of this rank's part of each gradient and weight (per_tensor_stats), with the identity
+    of each reduction where a tensor has no gradient. `has` and `numel` are host rows: no sync to read them."""
+    params = [local_part(p) for p in layout.params]
+    device = params[0].device
+    idx = [i for i, p in enumerate(layout.params) if p.grad is not None]
+    grads = [_dense(local_part(layout.params[i].grad)) for i in idx]
+    got = per_tensor_stats(grads, device)
+    got["negmin"] = -got.pop("min")
+    out = {"has": torch.zeros(len(params)), "numel": torch.zeros(len(params), dtype=torch.int64)}
+    if idx:
+        out["has"][idx] = 1.0
+        out["numel"][idx] = torch.tensor([g.numel() for g in grads])
+    where = torch.tensor(idx, device=device)
+    for key in ("sq", "sum", "zeros", "nans", "infs", "max", "negmin"):
+        out[key] = torch.full((len(params),), -math.inf if key in ("max", "negmin") else 0,
+                              dtype=got[key].dtype, device=device)
+        if idx:
+            out[key][where] = got[key]
+    out["weight_sq"] = per_tensor_sq_norms([p.detach() for p in params], device)
+    return [out[k] for k in _STAT_ROWS]
+
+
+def layer_stats_section(c: _Collection, layout: _Layout, ranks: Any, by: str) -> Any:
+    """Gradient statistics and weight norm per row (layer, group or tensor): per-tensor sums pooled."""
+    if not layout.params:
+        return None
+    rows, index, as_list = layout.rows(by)
+
+    def finish(has, sq, total, zeros, nans, infs, numel, most, negmin, weight_sq):
+        present = [i for i, (h, k) in enumerate(zip(has.tolist(), numel.tolist())) if h > 0 and k > 0]
+        pooled = None
+        if present:
+            where = torch.tensor(present, dtype=torch.long, device=sq.device)
+            stats = {"sq": sq[where], "sum": total[where], "zeros": zeros[where], "nans": nans[where],
+                     "infs": infs[where], "numel": numel[present].to(sq.device), "max": most[where],
+                     "min": -negmin[where]}
+            pooled = pool_stats(stats, index[present], len(rows) + 1)
+        weight_norm = torch.zeros(len(rows) + 1, dtype=weight_sq.dtype, device=weight_sq.device).index_add_(
+            0, index.to(weight_sq.device), weight_sq).sqrt()
+        return layer_entries(rows, pooled, {as_list[i] for i in present}, weight_norm)
+
+    ops = ["max" if k in ("max", "negmin") else "sum" for k in _STAT_ROWS]
+    n = len(layout.params)
+    return ranks.reduce(c, "layer_stats", [(n,)] * len(_STAT_ROWS), lambda: _local_grad_stats(layout), finish, ops)
+
+
+# ---- the ranks: decided once per layout, then asked the same questions whatever the parallelism ------
+
+
+class _Replicated:
+    """One process, or DDP: every rank holds the same weights and gradients, so rank 0 collects alone and
+    telemetry starts no collective; a reduction is the local values themselves."""
+    lockstep = False
+    suffix = ".safetensors"
+
+    def __init__(self, rank: int, world: int, kind: str):
+        self.rank, self.world, self.kind = rank, world, kind
+        self.keeps_reference = rank == 0
+        self.disagree = False
+
+    def collects(self, probe: Callable[[], str]) -> bool:
+        return self.rank == 0
+
+    def reduce(self, c: _Collection, section: str, shapes: List[tuple], local: Callable[[], Any],
+               finish: Callable[..., Any], ops: Optional[List[str]] = None) -> Any:
+        return finish(*local())
+
+    def finish(self, c: _Collection) -> None:
+        pass
+
+    def over_batches(self, what: str, batches: List[Any], fn: Callable[[Any], Any]) -> Optional[List[Any]]:
+        return [fn(batch) for batch in batches]
+
+    def whole(self, section: str) -> None:
+        pass
+
+
+class _Sharded:
+    """FSDP2 (DTensor parameters) and DeepSpeed: every rank holds a part of each tensor. Every rank collects
+    its own part; the parts meet in one all_reduce per collection, each rank keeps the weight reference of
+    its own part (last_checkpoint.rank{r}.safetensors), and only rank 0 writes the record."""
+    lockstep = True
+
+    def __init__(self, rank: int, world: int, kind: str, params: List[torch.Tensor]):
+        self.rank, self.world, self.kind = rank, world, kind
+        self.suffix = f".rank{rank}.safetensors"
+        self.keeps_reference = True
+        self.weights = replica_weights(params, world)
+        self.agreed: Optional[str] = None
+        self.disagree = False
+
+    def collects(self, probe: Callable[[], str]) -> bool:
+        """Once per layout and holdout: check that every rank will start the same collectives. A rank with
+        another config, parameter count or holdout (set_holdout_data on rank 0 only) would wait forever in
+        a collective the others never start; instead every rank turns telemetry off, together."""
+        mine = probe()
+        if self.agreed == mine:
+            return True
+        import torch.distributed as dist
+
+        seen: List[Any] = [None] * self.world
+        dist.all_gather_object(seen, mine)
+        if len(set(seen)) == 1:
+            self.agreed = mine
+            return True
+        self.disagree = True
+        return False
+
+    def reduce(self, c: _Collection, section: str, shapes: List[tuple], local: Callable[[], Any],
+               finish: Callable[..., Any], ops: Optional[List[str]] = None) -> _Deferred:
+        """A _Deferred section: local() is this rank's rows, and finish(*rows) runs in finish(c) on rows
+        summed over the ranks. A row whose last dim is the number of trainable tensors holds per-tensor
+        sums: it is weighted by replica_weights, so a replicated placement counts once. Other rows are flags
+        (> 0 on some rank) or maxima. `shapes` are fixed in advance: a rank whose local() raises still sends
+        zeros of those shapes, so no rank waits on a collective another skipped, and the section fails on
+        every rank."""
+        try:
+            rows, error = [torch.as_tensor(r) for r in local()], None
+            if [tuple(r.shape) for r in rows] != [tuple(s) for s in shapes]:
+                raise ValueError(f"rows of shapes {[tuple(r.shape) for r in rows]}, expected {shapes}")
+        except Exception as exc:  # reported after the collective, on every rank
+            rows, error = None, exc
+        deferred = _Deferred(section=section, shapes=[tuple(s) for s in shapes], ops=ops or ["sum"] * len(shapes),
+                             rows=rows, error=error, finish=finish)
+        c.deferred.append(deferred)
+        return deferred
+
+    def finish(self, c: _Collection) -> None:
+        """Resolve every _Deferred of this collection: sum (or max) all their rows over the ranks in one
+        float64 all_reduce per op, copy the result to the host once, and finish each section there, into
+        the record key that holds it, if any."""
+        pending, c.deferred = c.deferred, []
+        if not pending:
+            return
+        summed = self._all_reduce(pending)
+        at = {"sum": 0, "max": 0}
+        for d in pending:
+            rows = []
+            for k, shape in enumerate(d.shapes):
+                n, op = math.prod(shape), d.ops[k]
+                row = summed[op][at[op]:at[op] + n].reshape(shape)
+                at[op] += n
+                dtype = d.rows[k].dtype if d.rows is not None else torch.float32
+                rows.append(row.round().to(dtype) if not dtype.is_floating_point else row.to(dtype))
+            failed = int(summed["sum"][at["sum"]])
+            at["sum"] += 1
+            fn, args = (_raise, [d.error]) if d.error is not None else (
+                (_raise, [RuntimeError(f"failed on {failed} other rank(s)")]) if failed else (d.finish, rows))
+            value = c.run(d.section, fn, *args)
+            if isinstance(c.record.get(d.section), _Deferred):
+                del c.record[d.section]
+                if value is not None:
+                    c.record[d.section] = value
+
+    def _all_reduce(self, pending: List[_Deferred]) -> Dict[str, torch.Tensor]:
+        import torch.distributed as dist
+
+        device = _reduce_device()
+        weights = self.weights.to(device, torch.float64)
+        flat: Dict[str, List[torch.Tensor]] = {"sum": [], "max": []}
+        for d in pending:
+            for k, shape in enumerate(d.shapes):
+                row = (d.rows[k] if d.rows is not None else torch.zeros(shape)).to(device, torch.float64)
+                if d.ops[k] == "sum" and row.dim() and row.shape[-1] == len(weights):
+                    row = row * weights
+                flat[d.ops[k]].append(row.reshape(-1))
+            flat["sum"].append(torch.tensor([0.0 if d.error is None else 1.0], dtype=torch.float64, device=device))
+        summed = {}
+        for op, parts in flat.items():
+            if parts:
+                vector = torch.cat(parts)
+                dist.all_reduce(vector, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+                summed[op] = vector.cpu()
+        return summed
+
+    def over_batches(self, what: str, batches: List[Any], fn: Callable[[Any], Any]) -> Optional[List[Any]]:
+        """fn over this rank's share of each batch (a collective forward needs every rank in every batch),
+        gathered to rank 0 in holdout order: a split batch is every rank's share in rank order, an unsplit
+        one rank 0's. A rank that failed still takes part, and the result then fails on rank 0 too."""
+        import torch.distributed as dist
+
+        results, split, failed = [], [], None
+        for batch in batches:
+            share, cut = rank_share(batch, self.rank, self.world)
+            split.append(cut)
+            try:
+                results.append(fn(share))
+            except Exception as exc:  # go on: the other ranks run the next batches' collective forwards
+                failed = failed or exc
+                results.append(None)
+        mine = {"error": None if failed is None else f"{type(failed).__name__}: {failed}",
+                "results": move_to(results, torch.device("cpu"))}
+        every = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        if failed is not None:
+            raise failed
+        if self.rank != 0:
+            return None
+        bad = [(r, m["error"]) for r, m in enumerate(every) if m["error"]]
+        if bad:
+            raise RuntimeError(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
+        return [m["results"][b] for b, cut in enumerate(split) for m in (every if cut else every[:1])]
+
+    def whole(self, section: str) -> None:
+        """Sections that need whole tensors: gathering them is what sharding avoids."""
+        raise NotImplementedError(f"{section} does not support sharded (FSDP2) parameters yet")
+
+
+def _ranks_for(model: torch.nn.Module, params: List[torch.Tensor], rank: int, world: int) -> Any:
+    """How this process's parameters are held: decided here, once per layout, and nowhere else."""
+    kind = _parallelism(model, params, world)
+    return _Sharded(rank, world, kind, params) if kind in ("fsdp2", "deepspeed") else _Replicated(rank, world, kind)
+
+
+# ---- the weights: gradient norms, and the reference on disk that deltas are measured against ---------
+
+
+class _Gradients:
+    """Gradient norms per tensor, read by on_batch_end after the step or by capture_gradients before it
+    (then clipping has not touched them yet), unscaled, for the collection of that step."""
+
+    def __init__(self, scaler: _GradScaler):
+        self.scaler = scaler
+        self.captured: Optional[tuple] = None  # (layout key, step, rows) read before optimizer.step()
+
+    def rows(self, layout: _Layout, optimizer: Any, pre_step: bool) -> tuple:
+        """(||g||^2 of this rank's part of each gradient, unscaled, on its device; 1.0 where a gradient
+        exists, on the host). DeepSpeed's partitioned gradients come through full_gradient."""
+        grads = [full_gradient(p) for p in layout.params]
+        idx = [i for i, g in enumerate(grads) if g is not None]
+        has = torch.zeros(len(grads))
+        has[idx] = 1.0
+        for i in idx:
+            if is_sharded(grads[i]) and any(pl.is_partial() for pl in grads[i].placements):
+                raise ValueError(f"the gradient of {layout.names[i]} is Partial (not reduced yet)")
+        present = [local_part(grads[i]) for i in idx]
+        device = present[0].device if present else torch.device("cpu")
+        sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
+        if present:
+            sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms([_dense(g) for g in present], device)
+        scale = self.scaler.scale_of(optimizer, pre_step)
+        if scale is not None:
+            sq = sq / scale.to(device, torch.float32).square()
+        return sq, has
+
+    def capture(self, layout: _Layout, optimizer: Any, step: int) -> None:
+        self.captured = (layout.key, step, self.rows(layout, optimizer, pre_step=True))
+
+    def section(self, c: _Collection, layout: _Layout, optimizer: Any, step: int, ranks: Any) -> Any:
+        captured, self.captured = self.captured, None
+        # Read before this step by capture_gradients, for this very call.
+        rows = captured[2] if captured is not None and captured[:2] == (layout.key, step) else None
+
+        def finish(sq, has):
+            return layout.by_group(sq, has=has > 0) if bool(has.any()) else layout.nulls()
+        n = len(layout.params)
+        return ranks.reduce(c, "gradient_norm", [(n,), (n,)],
+                            lambda: rows if rows is not None else self.rows(layout, optimizer, pre_step=False),
+                            finish)
+
+
+class _ReferenceStore:
+    """The weights on disk that changes are measured against: last_checkpoint (the previous collection),
+    initial_weights (W_0 of drift, written once, at the hook's first call) and, with sparse quality, the
+    reference before the last one, for one collection. Sharded, each rank keeps its own part's files."""
+
+    def __init__(self, output_dir: str, config: TelemetryConfig, files: "_RunFiles", warn: _Warnings):
+        self.output_dir, self.config, self.files, self.warn = output_dir, config, files, warn
+        self.suffix = ".safetensors"  # set by the ranks: .rank{r}.safetensors when sharded
+        self.initial_pending = config.track_update_ratio  # W_0 is kept at the first call
+
+    @property
+    def checkpoint(self) -> str:
+        return os.path.join(self.output_dir, REFERENCE_FILE.replace(".safetensors", self.suffix))
+
+    @property
+    def initial(self) -> str:
+        return os.path.join(self.output_dir, INITIAL_FILE.replace(".safetensors", self.suffix))
+
+    def usable(self, named: List[tuple]) -> Optional[str]:
+        """The weight reference on disk when it holds exactly these tensors (this rank's parts, if sharded)."""
+        if not os.path.exists(self.checkpoint) or self.files.skip:
+            return None
+        if reference_matches(self.checkpoint, named):
+            return self.checkpoint
+        self.warn("reference", "telemetry: the weight reference on disk does not match the trainable "
+                               "parameters (this rank's part of them, when sharded); the delta restarts here")
+        return None
+
+    def initial_for(self, named: List[tuple]) -> Optional[str]:
+        """The W_0 file of drift: kept while it matches the model (across resumes too), else written now."""
+        path = self.initial
+        if os.path.exists(path):
+            if reference_matches(path, named):
+                return path
+            self.warn("initial", "telemetry: initial_weights.safetensors does not match the model's "
+                                 "trainable parameters; drift restarts from here")
+        self.files.write(write_tensor_file, path, named)
+        return path if not self.files.stopped and os.path.exists(path) else None
+
+    def write(self, named: List[tuple]) -> None:
+        self.files.write(write_tensor_file, self.checkpoint, named)
+
+    def measure(self, c: _Collection, layout: _Layout, ranks: Any, keep_previous: bool) -> Any:
+        """The weight delta per group, from one streamed pass over the weights and their reference that also
+        leaves in c.changes what update_ratio, drift, weight_norm, param_change and sparse_quality need;
+        then the reference is rewritten. Sharded, each rank streams its own part against its own files and
+        the per-tensor sums (max for max_abs) meet in the collection's reduction; two flags say whether some
+        rank had no reference or no initial weights, which nulls those quantities everywhere."""
+        cfg = self.config
+        if any(hasattr(p, "ds_id") for p in layout.params):  # ZeRO-3 leaves empty placeholders in the model
+            raise NotImplementedError("weight_delta does not support DeepSpeed ZeRO-3 parameters")
+        named = layout.local_named()
+        detail = cfg.track_param_change or cfg.track_sparse_quality
+        thresholds = sorted(set(cfg.param_change_thresholds) | set(cfg.sparse_quality_thresholds)) if detail else []
+        rel = cfg.param_change_rel_thresholds if cfg.track_param_change else []
+        n = len(named)
+        shapes = {"weight_sq": (n,), "delta_sq": (n,)}
+        if cfg.track_update_ratio:
+            shapes["drift_sq"] = (n,)
+        if detail:
+            shapes.update(l1=(n,), sum=(n,), max_abs=(n,), flips=(n,), below=(len(thresholds), n),
+                          below_rel=(len(rel), n))
+
+        def local():
+            reference = self.usable(named)
+            initial = self.initial_for(named) if cfg.track_update_ratio else None
+            changes = self._advance(named, lambda: streamed_weight_changes(
+                named, reference, initial, thresholds, rel, detail), c, keep_previous and reference is not None)
+            rows = [changes[k] if k in changes else torch.zeros(shape) for k, shape in shapes.items()]
+            return (*rows, torch.tensor([float(reference is None)]), torch.tensor([float(initial is None)]))
+
+        def finish(*rows):
+            changes = dict(zip(shapes, rows))
+            if rows[-2].item() > 0:  # some rank had no reference: nothing "since the previous collection"
+                for k in ("delta_sq", "l1", "sum", "max_abs", "flips", "below", "below_rel"):
+                    changes.pop(k, None)
+            if rows[-1].item() > 0:
+                changes.pop("drift_sq", None)
+            changes["thresholds"] = thresholds
+            c.changes = changes
+            return layout.by_group(changes["delta_sq"]) if "delta_sq" in changes else layout.nulls()
+        ops = ["max" if k == "max_abs" else "sum" for k in shapes] + ["sum", "sum"]
+        return ranks.reduce(c, "weight_delta", list(shapes.values()) + [(1,), (1,)], local, finish, ops)
+
+    def _advance(self, named: List[tuple], stream: Callable[[], Dict], c: _Collection, keep_previous: bool):
+        """stream() over the old reference, and the new reference written in its place. With keep_previous
+        the old one stays, as c.previous_reference, for sparse quality to rebuild weights from."""
+        if not keep_previous:
+            return self._stream_while_writing(named, stream)
+        changes = stream()
+        previous = self.checkpoint + ".previous"
+        os.replace(self.checkpoint, previous)
+        try:
+            self.write(named)
+        finally:
+            if not self.files.stopped and reference_matches(self.checkpoint, named):
+                c.previous_reference = previous
+            else:
+                os.remove(previous)
+        return changes
+
+    def _stream_while_writing(self, named: List[tuple], stream: Callable[[], Dict[str, torch.Tensor]]) -> Dict:
+        """stream() (the pass over the old reference) while the new reference is written: side by side for
+        large CPU models (see _pass_threads), where both are memory-bound and would leave a core idle in turn.
+        The old file is replaced only after both, and a failed write (full disk) keeps stream()'s result."""
+        result: List[Dict[str, torch.Tensor]] = []
+        if _pass_threads([t for _, t in named]) > 1:  # large CPU models: a thread costs more than small ones save
+            self.files.write(write_tensor_file, self.checkpoint, named, lambda: result.append(stream()))
+        else:
+            result.append(stream())
+            self.write(named)
+        return result[0] if result else stream()
+
+
+# ---- the holdout, and what is measured on it ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module):
+    """model.eval() under no_grad; afterwards every module's mode and the RNG states are as they were, so an
+    evaluation inside the training loop leaves the training exactly as it would have been."""
+    modes = [(m, m.training) for m in model.modules()]
+    rng = _rng_state()
+    try:
+        model.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        _set_rng_state(rng)
+
+
+def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
+    """The batch_stats section: label balance, or token counts for a language-model batch."""
+    if isinstance(batch, dict):
+        if isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2:
+            return token_balance(batch)
+        key = find_label_key(batch, label_key)
+        if key is None:
+            return {"batch_size": batch_size_of(batch)}
+        return label_balance(batch[key], key)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
+        return label_balance(batch[-1], label_key or "label")
+    return {"batch_size": batch_size_of(batch)}
+
+
+class _Holdout:
+    """The fixed holdout set: up to holdout_size examples, how to run the model on them and find their
+    labels, and the batches already moved to each device."""
+
+    def __init__(self, config: TelemetryConfig):
+        self.config = config
+        self.batches: List[Any] = []
+        self.on_device: Dict[str, List[Any]] = {}
+        self.forward: Optional[Callable] = None
+        self.labels: Optional[Callable] = None
+
+    def set(self, batches: Any, forward: Optional[Callable], labels: Optional[Callable]) -> int:
+        """Keep the first holdout_size examples; returns how many were kept."""
+        if isinstance(batches, dict) or (isinstance(batches, (tuple, list)) and batches
+                                         and isinstance(batches[0], torch.Tensor)):
+            batches = [batches]
+        kept, have = [], 0
+        for batch in batches:
+            if have >= self.config.holdout_size:
+                break
+            n = batch_size_of(batch)
+            take = min(n, self.config.holdout_size - have)
+            kept.append(batch if take == n else slice_batch(batch, take))
+            have += take
+        self.batches, self.on_device = kept, {}
+        self.forward, self.labels = forward, labels
+        return have
+
+    def sizes(self) -> List[int]:
+        return [batch_size_of(b) for b in self.batches]
+
+    def on(self, model: torch.nn.Module, device: Any) -> List[Any]:
+        device = torch.device(device) if device is not None else _model_device(model)
+        batches = self.on_device.get(str(device))
+        if batches is None:
+            batches = self.on_device[str(device)] = [move_to(b, device) for b in self.batches]
+        return batches
+
+    def forward_one(self, model: torch.nn.Module, batch: Any) -> tuple:
+        """(model outputs, labels) of one holdout batch."""
+        label_key = None
+        if isinstance(batch, dict):
+            label_key = find_label_key(batch, self.config.batch_label_key)
+        if self.labels is not None:
+            labels = self.labels(batch)
+        elif isinstance(batch, dict):
+            # A causal LM batch may carry only input_ids: its labels are the inputs themselves.
+            labels = batch[label_key] if label_key is not None else batch.get("input_ids")
+            if labels is None:
+                raise KeyError(f"holdout batch has no label key (tried {', '.join(LABEL_KEYS)}); "
+                               "set batch_label_key or pass labels= to set_holdout_data")
+        else:
+            labels = batch[-1]
+        if self.forward is not None:
+            return self.forward(model, batch), labels
+        if isinstance(batch, dict):
+            # Labels are never passed: fused-loss models (unsloth) return no logits when given labels.
+            return model(**{k: v for k, v in batch.items() if k != label_key}), labels
+        return model(*batch[:-1]), labels
+
+    def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
+        """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models)."""
+        model = _unwrap_ddp(model)  # DDP's forward can broadcast buffers: a collective rank 0 must not start alone
+
+        def score(batch):
+            outputs, labels = self.forward_one(model, batch)
+            logits = output_logits(outputs)
+            if logits.dim() == 3:  # reduce each batch at once: [batch, seq, vocab] is large
+                return language_model_holdout(logits, labels, self.config.holdout_token_ids)
+            return logits, labels
+
+        with _evaluating(model):
+            parts = ranks.over_batches("holdout", self.on(model, device), score)
+        if parts is None:
+            return None
+        lm = [p for p in parts if isinstance(p, dict)]
+        if lm:
+            return merge_lm_holdout(lm)
+        return classification_holdout(torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(-1) for p in parts]))
+
+
+def sparse_quality(layout: _Layout, model: torch.nn.Module, holdout: _Holdout, batches: List[Any],
+                   changes: Dict[str, Any], previous: str, current: str, config: TelemetryConfig,
+                   step: int) -> Dict[str, Any]:
+    """Holdout outputs of the full update against the update with only |dW| > t kept, per threshold,
+    and against a random mask keeping the same share of each tensor (the baseline).
+
+    The weights are overwritten in place chunk by chunk from the two references on disk (previous and
+    current weights), never copied on the device; the current file restores them bit for bit.
+    """
+    counts = torch.tensor([p.numel() for p in layout.params], dtype=changes["l1"].dtype,
+                          device=changes["below"].device)
+    out: Dict[str, Any] = {}
+    touched = False
+    with _evaluating(model):
+        try:
+            full, valid = [], []
+            for batch in batches:
+                outputs, labels = holdout.forward_one(model, batch)
+                logits = output_logits(outputs).detach()
+                full.append(logits)
+                valid.append(_valid_positions(logits, labels))
+            for k, t in enumerate(config.sparse_quality_thresholds):
+                dropped = changes["below"][changes["thresholds"].index(t)].to(counts.dtype)
+                entry: Dict[str, Any] = {"kept_ratio": 1 - dropped.sum() / counts.sum().clamp(min=1)}
+                touched = True
+                _apply_sparse(layout, previous, current, threshold=t)
+                entry.update(_agreement(model, holdout, batches, full, valid))
+                keep = 1 - dropped / counts.clamp(min=1)
+                _apply_sparse(layout, previous, current, keep=keep, seed=step * 1009 + k)
+                entry["random"] = _agreement(model, holdout, batches, full, valid)
+                out[threshold_key(t)] = entry
+        finally:
+            if touched:
+                _overwrite_weights(layout.params, ((i, start, chunk.to(layout.params[i].device))
+                                                   for i, start, chunk in stream_tensor_chunks(current, layout.names)))
+    return out
+
+
+def _apply_sparse(layout: _Layout, previous: str, current: str, threshold: Optional[float] = None,
+                  keep: Optional[torch.Tensor] = None, seed: int = 0) -> None:
+    """w <- where(mask, w_now, w_prev) for every trainable tensor: mask = |w_now - w_prev| > threshold,
+    or (with keep) uniform < keep[i] from a private generator: the global RNG is not touched."""
+    generators: Dict[Any, torch.Generator] = {}
+
+    def chunks():
+        for (i, start, now), (_, _, prev) in zip(stream_tensor_chunks(current, layout.names),
+                                                 stream_tensor_chunks(previous, layout.names)):
+            dev = layout.params[i].device
+            now_d, prev_d = now.to(dev), prev.to(dev)
+            if keep is None:
+                mask = (now_d.float() - prev_d.float()).abs() > threshold
+            else:
+                gen = generators.get(dev)
+                if gen is None:
+                    gen = generators[dev] = torch.Generator(device=dev)
+                    gen.manual_seed(seed)
+                mask = torch.rand(now_d.shape, generator=gen, device=dev) < keep[i].to(dev)
+            yield i, start, torch.where(mask, now_d, prev_d)
+
+    _overwrite_weights(layout.params, chunks())
+
+
+def _agreement(model, holdout: _Holdout, batches, full, valid) -> Dict[str, Any]:
+    sums = None
+    for batch, reference, ok in zip(batches, full, valid):
+        outputs, _ = holdout.forward_one(model, batch)
+        part = logit_agreement(reference, output_logits(outputs), ok)
+        sums = part if sums is None else {k: sums[k] + part[k] for k in part}
+    positions = sums["positions"].clamp(min=1)
+    return {"kl": (sums["kl"] / positions).clamp(min=0), "cosine": sums["cosine"] / positions,
+            "mse": sums["sq"] / sums["elements"].clamp(min=1), "top1_agree": sums["agree"] / positions}
+
+
+# ---- LoRA --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _LoraEntry:
+    """One adapter of one LoRA module, with dW = scale * B @ A (see lora_factors)."""
+    name: str
+    module: torch.nn.Module
+    adapter: str
+    a: torch.Tensor
+    b: torch.Tensor
+    magnitude: Optional[torch.Tensor]  # DoRA's magnitude vector, or None
+
+    @property
+    def scale(self) -> Any:
+        return self.module.scaling[self.adapter]
+
+
+class _LoraTracker:
+    """The `lora` section: the adapters found in the model (cached per layout), and the DoRA magnitude
+    vectors as first seen, for their drift."""
+
+    def __init__(self):
+        self.found: Optional[tuple] = None  # (layout key, [_LoraEntry])
+        self.dora_start: Dict[str, torch.Tensor] = {}
+
+    def entries(self, model: torch.nn.Module, layout: _Layout) -> List[_LoraEntry]:
+        if self.found is None or self.found[0] != layout.key:
+            self.found = (layout.key, [_LoraEntry(name, module, adapter, *lora_factors(module, adapter),
+                                                  dora_magnitude(module, adapter))
+                                       for name, module, adapter in find_lora_modules(model)])
+        return self.found[1]
+
+    def section(self, model: torch.nn.Module, layout: _Layout, reference: _ReferenceStore,
+                ranks: Any) -> Optional[Dict[str, Any]]:
+        """Adapter norms and deltas against the reference the weight pass is about to replace."""
+        found = self.entries(model, layout)
+        if not found:
+            return None  # no LoRA in this model: no section
+        ranks.whole("the lora section")  # B @ A needs whole factors
+        name_of = {id(p): n for n, p in zip(layout.names, layout.params)}
+        stats = lora_stats([(e.name, e.a, e.b, e.scale) for e in found],
+                           self._previous(found, name_of, reference.checkpoint))
+        mags = [(name_of.get(id(e.magnitude), f"{e.name}.{e.adapter}"), e.magnitude) for e in found
+                if e.magnitude is not None]
+        if mags:
+            for key, m in mags:
+                self.dora_start.setdefault(key, m.detach().float().clone())
+            stats["dora_magnitude_drift"] = relative_drift([m for _, m in mags], [self.dora_start[k] for k, _ in mags])
+        if not reference.config.keeps_reference:  # no full reference is written: keep one of the adapters
+            ids = {id(t) for e in found for t in (e.a, e.b, e.magnitude) if t is not None}
+            reference.write([(n, p) for n, p in zip(layout.names, layout.params) if id(p) in ids])
+        return stats
+
+    @staticmethod
+    def _previous(found: List[_LoraEntry], name_of: Dict[int, str], path: str):
+        """(A0, B0) of each LoRA module from the weight reference on disk, or None when it holds none.
+
+        The reference is the one the weight pass keeps (trainable A and B are in it). A factor that is not
+        trainable is not in it either: it cannot have changed, so the current tensor stands in.
+        """
+        try:
+            header, _ = read_tensor_header(path)
+        except (OSError, ValueError):
+            return None
+        wanted = []
+        for e in found:
+            for p in (e.a, e.b):
+                name = name_of.get(id(p))
+                if name is None:
+                    continue
+                meta = header.get(name)
+                if meta is None or meta["shape"] != list(p.shape) or meta["dtype"] != _DTYPE_CODES.get(p.dtype):
+                    return None
+                wanted.append(name)
+
+        def pairs():
+            stream = stream_tensor_file(path, wanted)
+            try:
+                for e in found:
+                    # copy=True: the stream's tensors map a file that a later reference write overwrites in place
+                    yield tuple(next(stream).to(p.device, copy=True) if id(p) in name_of else p for p in (e.a, e.b))
+            finally:
+                stream.close()
+        return pairs()
+
+
 # =====================================================================================================
 # TrainingTelemetry: decides when to collect, calls the metrics, and does all the I/O
 # =====================================================================================================
@@ -1811,60 +2942,43 @@ class TrainingTelemetry:
             config = TelemetryConfig.from_dict({**base, **overrides})
         self.config = config
         self.step = 0
-        self._enabled = config.enabled
-        self._every = config.collect_every_n
-        self._warn = _Warnings()
-        self._holdout: List[Any] = []
-        self._holdout_on: Dict[str, List[Any]] = {}
-        self._holdout_forward: Optional[Callable] = None
-        self._holdout_labels: Optional[Callable] = None
-        self._layout: Optional[_Layout] = None
-        self._records = None
-        self._silent_warn_step = 10 * self._every  # warn if nothing was collected by then
-        # Training dynamics. on_alert(alert) sees each new alert (a record's `alerts` entry plus "step").
+        # on_alert(alert) sees each new alert (a record's `alerts` entry plus "step").
         self.on_alert: Optional[Callable[[Dict[str, Any]], Any]] = on_alert
-        self._metrics: Dict[str, Callable] = {}  # add_metric: name -> fn(model, optimizer, context)
-        self._changes: Optional[Dict[str, torch.Tensor]] = None  # this collection's weight pass, per tensor
-        self._sparse_files: Optional[tuple] = None  # (previous, current) references for sparse quality
-        self._rows: Dict[str, tuple] = {}  # _row_index cache
-        self._initial_pending = config.track_update_ratio  # W_0 is kept at the first call
+        self._warn = _Warnings()
+        self._scaler = _GradScaler()  # the AMP scale the gradients still carry
+        self._gradients = _Gradients(self._scaler)
+        self._holdout = _Holdout(config)
+        self._lora = _LoraTracker()
         self._alerts = _AlertMonitor(config)
         self._clock = _SystemClock()
-        self._lora_found: Optional[tuple] = None  # (layout key, LoRA modules found in the model)
-        self._dora_start: Dict[str, torch.Tensor] = {}  # DoRA magnitude vectors at their first collection
-        self._holding = False  # the HF callback holds records back until the Trainer logs its grad_norm
-        self._held: List[Dict[str, Any]] = []
+        self._metrics: Dict[str, Callable] = {}  # add_metric: name -> fn(model, optimizer, context)
+        self._layout: Optional[_Layout] = None  # rebuilt when the model, optimizer or trainable set change
+        self._ranks: Any = _Replicated(*_rank_and_world(), "none")
+        self._ranks_key: Any = None
+        self._off = False  # the ranks disagree: telemetry is off on every rank
+        self._silent_warn_step = 10 * config.collect_every_n  # warn if nothing was collected by then
         self._hf_callback = None
-        # Distributed state, refreshed at each collection (see _begin_collection).
-        self._rank, self._world = _rank_and_world()
-        self._parallelism = "none"
-        self._collective = False  # every rank takes part in the collection (sharded parameters)
-        self._replica_w: Optional[torch.Tensor] = None
-        self._dist_key: Any = None
-        self._agreed: Any = None
-        self._strict_error: Optional[BaseException] = None  # strict: raised once every rank is past the collectives
-        self._no_writes = False  # a rank that cannot write keeps taking part in collectives
-        self._captured: Optional[tuple] = None  # (layout key, step, gradient rows) read before optimizer.step()
-        self._pendings: List[_Pending] = []
-        self._grad_stats: Optional[Dict[str, torch.Tensor]] = None  # sharded layer_stats (see _gradient_norms)
-        self._scaler = _GradScaler()
-        self._mirrors = _Mirrors(config, self._warn)
-        if not self._enabled:
+        self._files: Optional[_RunFiles] = None
+        self._reference: Optional[_ReferenceStore] = None
+        if not config.enabled:
             return
         if config.output_dir is None:
             raise ValueError("output_dir: must be set (in the YAML, or TelemetryConfig(output_dir=...))")
         self.output_dir = config.output_dir
-        os.makedirs(self.output_dir, exist_ok=True)
         self.metrics_file = os.path.join(self.output_dir, RECORDS_FILE)
-        self.checkpoint_file = os.path.join(self.output_dir, REFERENCE_FILE)
-        self.initial_file = os.path.join(self.output_dir, INITIAL_FILE)
         self.run_file = os.path.join(self.output_dir, RUN_FILE)
-        self.step = self._last_logged_step()
-        self._run_info = self._load_run_info()
-        self._run_info["starts"].append(datetime.datetime.now().isoformat())
-        self._run_info.update(schema=SCHEMA_VERSION, torch_version=torch.__version__,
-                              config=dataclasses.asdict(config))
-        self._write_run_info()
+        self._files = _RunFiles(self.output_dir, config, self._warn, _Mirrors(config, self._warn))
+        self._reference = _ReferenceStore(self.output_dir, config, self._files, self._warn)
+        self.step = self._files.start(config)
+
+    @property
+    def checkpoint_file(self) -> str:
+        """The weight reference this rank measures deltas against."""
+        return self._reference.checkpoint
+
+    @property
+    def initial_file(self) -> str:
+        return self._reference.initial
 
     # ---- public API --------------------------------------------------------------------------------
 
@@ -1875,22 +2989,9 @@ class TrainingTelemetry:
         A (inputs..., labels) tuple runs model(*inputs); a dict runs model(**batch without the label key).
         `forward(model, batch) -> outputs` and `labels(batch) -> tensor` override this.
         """
-        if isinstance(batches, dict) or (isinstance(batches, (tuple, list)) and batches
-                                         and isinstance(batches[0], torch.Tensor)):
-            batches = [batches]
-        kept, have = [], 0
-        for batch in batches:
-            if have >= self.config.holdout_size:
-                break
-            n = batch_size_of(batch)
-            take = min(n, self.config.holdout_size - have)
-            kept.append(batch if take == n else slice_batch(batch, take))
-            have += take
-        self._holdout, self._holdout_on = kept, {}
-        self._holdout_forward, self._holdout_labels = forward, labels
-        if self._enabled:
-            self._run_info["holdout"] = {"examples": have}
-            self._write_run_info()
+        examples = self._holdout.set(batches, forward, labels)
+        if self._active():
+            self._files.update_info(holdout={"examples": examples})
 
     def on_batch_end(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                      batch_idx: int, epoch: int, device: Any = None, batch: Any = None, loss: Any = None,
@@ -1901,11 +3002,13 @@ class TrainingTelemetry:
         """
         self.step += 1
         self._scaler.track()
-        if self._initial_pending and self._enabled:
+        if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_ddp(model), optimizer)
-        if not self._enabled or batch_idx % self._every:
+        if not self._active() or batch_idx % self.config.collect_every_n:
             if self.step == self._silent_warn_step:
-                self._warn_silent()
+                self._warn("silent", f"telemetry: nothing collected in {self.step} calls: batch_idx was never a "
+                                     f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
+                                     "than that restart batch_idx before it gets there; lower collect_every_n.")
             return None
         try:
             with _one_cpu_thread():
@@ -1917,13 +3020,12 @@ class TrainingTelemetry:
                 raise
             self._warn("collect", f"telemetry: collection failed and was skipped: {exc!r}")
             return None
-        self._dispatch_alerts(record)
+        # Outside the guard above: what on_alert raises (e.g. to stop training) reaches the loop.
+        new = self._alerts.take()
+        if self.on_alert is not None and record is not None:
+            for alert in new:
+                self.on_alert(dict(alert, step=record["step"]))
         return record
-
-    def _warn_silent(self) -> None:
-        self._warn("silent", f"telemetry: nothing collected in {self.step} calls: batch_idx was never a "
-                             f"multiple of collect_every_n={self._every}. Epochs shorter than that restart "
-                             "batch_idx before it gets there; lower collect_every_n.")
 
     def set_grad_scaler(self, scaler: Any) -> None:
         """Record a torch.amp.GradScaler's scale and skipped steps (`grad_scaler`), and keep gradient norms
@@ -1937,13 +3039,11 @@ class TrainingTelemetry:
         makes for this batch_idx. For code that runs before the step: Lightning's on_before_optimizer_step,
         or between DeepSpeed's engine.backward() and engine.step(). Still-scaled gradients (no
         scaler.unscale_ yet) are divided by the scale. True when it read them."""
-        if not self._enabled or batch_idx % self._every or not self.config.track_gradients:
+        if not self._active() or batch_idx % self.config.collect_every_n or not self.config.track_gradients:
             return False
-        model = _unwrap_ddp(model)
         try:
-            layout = self._layout_for(model, optimizer)
             # For the next on_batch_end call only (it counts self.step up by one).
-            self._captured = (layout.key, self.step + 1, self._gradient_rows(layout, optimizer, pre_step=True))
+            self._gradients.capture(self._layout_for(_unwrap_ddp(model), optimizer), optimizer, self.step + 1)
             return True
         except Exception as exc:
             if self.config.strict:
@@ -1951,6 +3051,19 @@ class TrainingTelemetry:
             self._warn("capture", f"telemetry: reading gradients before the step failed ({exc!r}); "
                                   "on_batch_end reads them after it")
             return False
+
+    def add_metric(self, name: str, fn: Callable[..., Dict[str, Any]]) -> None:
+        """Record `fn(model, optimizer, context)` under `custom.<name>` at every collection.
+
+        `context` is {"step", "batch_idx", "epoch", "batch", "loss"}; `fn` returns {str: number or tensor}
+        (tensors are resolved with the record's one transfer). A failing metric is isolated like a built-in
+        one: recorded in errors["custom.<name>"], warned about once, raised only when `strict`.
+        """
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"add_metric: name must be a non-empty string without dots, got {name!r}")
+        if not callable(fn):
+            raise TypeError(f"add_metric: fn must be callable, got {type(fn).__name__}")
+        self._metrics[name] = fn
 
     def lightning_callback(self) -> Any:
         """A lightning.pytorch Callback that feeds this telemetry: `Trainer(callbacks=[it])` (see
@@ -1968,11 +3081,9 @@ class TrainingTelemetry:
         return self._hf_callback
 
     def close(self) -> None:
-        self._release_held()
-        if self._records is not None:
-            self._records.close()
-            self._records = None
-        self._mirrors.close()
+        if self._files is not None:
+            self._files.close()
+            self._files.mirrors.close()
 
     def __enter__(self) -> "TrainingTelemetry":
         return self
@@ -1980,1087 +3091,170 @@ class TrainingTelemetry:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- for the HF callback ------------------------------------------------------------------------
+
+    def _active(self) -> bool:
+        return self._files is not None and not self._files.stopped and not self._off
+
+    def _collect_held(self, model, optimizer, global_step: int, epoch: int, batch: Any, loss: Any):
+        """on_batch_end for optimizer step global_step + 1, its record held back until _release_held()."""
+        self.step = global_step  # on_batch_end counts it up to this optimizer step
+        with self._files.hold() if self._files is not None else contextlib.nullcontext():
+            return self.on_batch_end(model, optimizer, global_step + 1, epoch, batch=batch, loss=loss)
+
+    def _release_held(self) -> None:
+        if self._files is not None:
+            self._files.release()
+
     # ---- one collection ----------------------------------------------------------------------------
 
     def _collect(self, model, optimizer, batch_idx, epoch, device, batch, loss, scalars):
-        started = time.perf_counter()
         cfg = self.config
-        record: Dict[str, Any] = {"schema": SCHEMA_VERSION, "step": self.step, "batch_idx": batch_idx,
-                                  "epoch": epoch, "timestamp": datetime.datetime.now().isoformat()}
-        if loss is not None:
-            record["loss"] = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        for key, value in scalars.items():
-            if key in record or key in _SECTION_KEYS:
-                raise ValueError(f"on_batch_end: extra scalar {key!r} clashes with a record key")
-            record[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        errors: Dict[str, str] = {}
-        layout = self._run_section("layout", errors, self._layout_for, model, optimizer)
-        if not self._refresh_dist(model, layout) or (self._collective and not self._ranks_agree(layout)):
+        started = time.perf_counter()
+        c = _Collection(_record_head(self.step, batch_idx, epoch, loss, scalars), started, cfg.strict,
+                        self._warn, self._ranks.lockstep)
+        c.layout = c.run("layout", self._layout_for, model, optimizer)
+        if not self._take_part(model, c.layout):
             return None  # DDP: rank 0 collects alone; or the ranks disagree (telemetry is off)
-        if layout is not None:
-            if cfg.track_gradients:
-                self._add(record, errors, "gradient_norm", self._gradient_norms, layout, optimizer)
-            if cfg.track_lora:  # before weight_delta, which overwrites the reference it reads
-                self._add(record, errors, "lora", self._lora, model, layout)
-            if cfg.track_weight_delta:
-                self._add(record, errors, "weight_delta", self._weight_delta, layout)
-            elif self._keeps_reference():  # the same pass feeds update_ratio/drift/param_change: no key
-                self._run_section("weight_delta", errors, self._weight_delta, layout)
-            if cfg.track_learning_rates and optimizer is not None:
-                self._add(record, errors, "learning_rates", self._learning_rates, layout)
-            self._finish_pending(record, errors)  # sharded: the collection's one all_reduce
-            self._add_dynamics(record, errors, layout, model, device)
+        c.lockstep = self._ranks.lockstep
+        if c.layout is not None:
+            self._parameter_sections(c, model, optimizer, device)
         if self._scaler.active:
-            self._add(record, errors, "grad_scaler", self._scaler.section)
-        if cfg.track_holdout_logits and self._holdout:
-            self._add(record, errors, "holdout_logits", self._evaluate_holdout, model, device)
+            c.add("grad_scaler", self._scaler.section)
+        if cfg.track_holdout_logits and self._holdout.batches:
+            c.add("holdout_logits", self._holdout.section, model, device, self._ranks)
         if cfg.track_batch_stats and batch is not None:
-            self._add(record, errors, "batch_stats", self._batch_stats, batch)
-        self._add_extras(record, errors, model, optimizer, batch_idx, epoch, batch, loss, started)
-        if self._strict_error is not None:  # strict and sharded: raised once every rank is past the collectives
-            error, self._strict_error = self._strict_error, None
-            raise error
-        record = to_host(record)
-        self._check_gradients(record)
-        self._after_host(record, layout, errors)
+            c.add("batch_stats", batch_stats, batch, cfg.batch_label_key)
+        if cfg.track_system:
+            c.add("system", self._clock.section, model, batch, started, self.step)
+        if self._metrics:
+            context = {"step": self.step, "batch_idx": batch_idx, "epoch": epoch, "batch": batch, "loss": loss}
+            custom = {name: c.run(f"custom.{name}", custom_metric_values, fn, model, optimizer, context)
+                      for name, fn in list(self._metrics.items())}
+            if any(v is not None for v in custom.values()):
+                c.record["custom"] = {k: v for k, v in custom.items() if v is not None}
+        if c.strict_error is not None:  # strict, in lockstep: raised once every rank is past the collectives
+            raise c.strict_error
+        c.record = to_host(c.record)
+        _warn_about_gradients(c.record, self._warn)
+        _null_ratios_of_zero_weights(c.record)
+        if c.layout is not None and _has_nonfinite(c.record):  # rare: one more pass names the culprits
+            c.add("nonfinite_params", nonfinite_params, c.layout)
+        if cfg.alerts:
+            c.add("alerts", self._alerts.check, c.record)
+        record = c.record
         record["telemetry_ms"] = self._clock.last_ms = (time.perf_counter() - started) * 1e3
         self._silent_warn_step = -1
         record, nonfinite = replace_nonfinite(record)
         if nonfinite:
             record["nonfinite"] = nonfinite
-        if errors:
-            record["errors"] = errors
-        self._append(record)
+        if c.errors:
+            record["errors"] = c.errors
+        self._files.append(record)
         return record
 
-    def _add(self, record, errors, section, fn, *args):
-        value = self._run_section(section, errors, fn, *args)
-        if value is not None:
-            record[section] = value
+    def _parameter_sections(self, c: _Collection, model, optimizer, device) -> None:
+        """The sections read from the parameters, in the order their data needs: the lora section reads the
+        reference that the weight pass then replaces; after the ranks' one reduction, the sections that
+        read the weight pass."""
+        cfg, layout, ranks = self.config, c.layout, self._ranks
+        if cfg.track_gradients:
+            c.add("gradient_norm", self._gradients.section, c, layout, optimizer, self.step, ranks)
+        if cfg.track_lora:
+            c.add("lora", self._lora.section, model, layout, self._reference, ranks)
+        keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)
+        if cfg.track_weight_delta:
+            c.add("weight_delta", self._reference.measure, c, layout, ranks, keep_previous)
+        elif cfg.keeps_reference:  # the same pass feeds update_ratio/drift/param_change: no key
+            c.run("weight_delta", self._reference.measure, c, layout, ranks, keep_previous)
+        if cfg.track_learning_rates and optimizer is not None:
+            c.add("learning_rates", layout.learning_rates)
+        if cfg.track_layer_stats:
+            c.add("layer_stats", layer_stats_section, c, layout, ranks, cfg.layer_stats_by)
+        ranks.finish(c)
+        if c.changes is not None:
+            if cfg.track_update_ratio:
+                c.add("update_ratio", update_ratio_section, layout, c.changes)
+                c.add("drift", drift_section, layout, c.changes)
+                c.add("weight_norm", weight_norm_section, layout, c.changes)
+            if cfg.track_param_change:
+                c.add("param_change", param_change_section, layout, c.changes, cfg)
+        if cfg.track_sparse_quality:
+            c.add("sparse_quality", self._sparse_quality, c, model, device)
 
-    def _run_section(self, section, errors, fn, *args):
+    def _sparse_quality(self, c: _Collection, model, device) -> Optional[Dict[str, Any]]:
+        previous = c.previous_reference
         try:
-            return fn(*args)
-        except Exception as exc:
-            if self.config.strict and not self._collective:
-                raise
-            if self.config.strict and self._strict_error is None:
-                self._strict_error = exc  # raised by _collect once every rank is past the collectives
-            errors[section] = f"{type(exc).__name__}: {exc}"
-            self._warn(f"error:{section}", f"telemetry: {section} failed ({errors[section]}); it is "
-                                           "recorded under 'errors' and training goes on")
-            return None
+            self._ranks.whole("sparse_quality")  # it rewrites the weights from whole references
+            if not self._holdout.batches:
+                self._warn("sparse-holdout", "telemetry: track_sparse_quality needs holdout inputs "
+                                             "(set_holdout_data); skipped")
+                return None
+            if previous is None or c.changes is None or "below" not in c.changes:
+                return None  # the first collection: no update to sparsify yet
+            return sparse_quality(c.layout, model, self._holdout, self._holdout.on(model, device), c.changes,
+                                  previous, self._reference.checkpoint, self.config, self.step)
+        finally:
+            if previous is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(previous)
 
-    # ---- distributed: which ranks collect, and one all_reduce per collection ------------------------
+    # ---- the layout and the ranks ------------------------------------------------------------------
 
-    def _refresh_dist(self, model: torch.nn.Module, layout: Optional[_Layout]) -> bool:
-        """Find the process group and how the parameters are held; True when this rank collects.
+    def _layout_for(self, model: torch.nn.Module, optimizer: Any) -> _Layout:
+        if self._layout is None or self._layout.key != _layout_key(model, optimizer):
+            self._layout, partitions = build_layout(model, optimizer, self.config)
+            self._files.update_info(**layout_info(model, optimizer, self._layout, partitions))
+        return self._layout
 
-        One process or DDP: every rank holds the same gradients and weights, so rank 0 alone collects and
-        telemetry starts no collective at all. FSDP2 (DTensor parameters) and DeepSpeed: every rank
-        collects its own part; the parts meet in one all_reduce (_finish_pending), and each rank keeps the
-        weight reference of its own part (last_checkpoint.rank{r}.safetensors). Only rank 0 writes.
-        """
-        self._rank, self._world = _rank_and_world()
-        self._pendings, self._strict_error = [], None
+    def _take_part(self, model: torch.nn.Module, layout: Optional[_Layout], agree: bool = True) -> bool:
+        """Find how the parameters are held (once per layout and process group); True when this rank
+        collects. Sharded ranks first check, once, that they will all start the same collectives."""
+        rank, world = _rank_and_world()
         params = layout.params if layout is not None else [p for p in model.parameters() if p.requires_grad]
-        key = (layout.key if layout is not None else id(model), self._rank, self._world)
-        if key != self._dist_key:
-            kind = _parallelism(model, params, self._world)
-            self._collective = kind in ("fsdp2", "deepspeed")
-            self._replica_w = replica_weights(params, self._world) if self._collective else None
-            self._dist_key, self._parallelism = key, kind
-            if self._enabled:
-                suffix = f".rank{self._rank}.safetensors" if self._collective else ".safetensors"
-                self.checkpoint_file = os.path.join(self.output_dir, REFERENCE_FILE.replace(".safetensors", suffix))
-                self.initial_file = os.path.join(self.output_dir, INITIAL_FILE.replace(".safetensors", suffix))
-                info = {"world_size": self._world, "rank": self._rank, "parallelism": kind}
-                if any(self._run_info.get(k) != v for k, v in info.items()):
-                    self._run_info.update(info)
-                    self._write_run_info()
-        if self._parallelism == "fsdp1":
+        key = (layout.key if layout is not None else id(model), rank, world)
+        if key != self._ranks_key:
+            self._ranks_key, self._ranks = key, _ranks_for(model, params, rank, world)
+            self._files.writer, self._files.lockstep = rank == 0, self._ranks.lockstep
+            self._reference.suffix = self._ranks.suffix
+            info = {"world_size": world, "rank": rank, "parallelism": self._ranks.kind}
+            if any(self._files.info.get(k) != v for k, v in info.items()):
+                self._files.update_info(**info)
+        if self._ranks.kind == "fsdp1":
             self._warn("fsdp1", "telemetry: FSDP1 (FullyShardedDataParallel) is not supported: its flat "
                                 "shards hide the parameters. Use FSDP2's fully_shard; nothing is recorded")
             return False
-        return self._collective or self._rank == 0
-
-    def _ranks_agree(self, layout: Optional[_Layout]) -> bool:
-        """Once per layout and holdout: check that every rank will start the same collectives.
-
-        A rank with another config, parameter count or holdout (set_holdout_data on rank 0 only) would wait
-        forever in a collective the others never start; instead every rank turns telemetry off, together.
-        """
-        config = {k: v for k, v in dataclasses.asdict(self.config).items() if k != "output_dir"}
-        probe = json.dumps([config, len(layout.params) if layout is not None else None, self._parallelism,
-                            [batch_size_of(b) for b in self._holdout]], sort_keys=True, default=str)
-        if self._agreed == (self._dist_key, probe):
+        if not agree:
+            return self._ranks.keeps_reference
+        if self._ranks.collects(lambda: self._probe(layout)):
             return True
-        import torch.distributed as dist
-
-        seen: List[Any] = [None] * self._world
-        dist.all_gather_object(seen, probe)
-        if len(set(seen)) == 1:
-            self._agreed = (self._dist_key, probe)
-            return True
-        self._enabled = False
-        message = ("telemetry: the ranks differ in config, trainable parameters or holdout data (call "
-                   "set_holdout_data on every rank); telemetry is off on every rank")
-        if self.config.strict:
-            raise RuntimeError(message)
-        self._warn("ranks-differ", message)
+        if self._ranks.disagree:
+            self._off = True
+            message = ("telemetry: the ranks differ in config, trainable parameters or holdout data (call "
+                       "set_holdout_data on every rank); telemetry is off on every rank")
+            if self.config.strict:
+                raise RuntimeError(message)
+            self._warn("ranks-differ", message)
         return False
 
-    def _reduced(self, section: str, shapes: List[tuple], local: Callable[[], tuple],
-                 finish: Callable[..., Any], ops: Optional[List[str]] = None) -> Any:
-        """finish(*rows), where rows = local() summed over the ranks when parameters are sharded.
-
-        One process or DDP: finish(*local()) at once. Sharded (FSDP2, DeepSpeed): local() returns this rank's
-        rows and the section becomes a _Pending that _finish_pending resolves after ONE all_reduce over every
-        section's rows (a second one only for rows whose op is "max"). A row whose last dim is the number of
-        trainable tensors holds per-tensor sums: it is weighted by replica_weights, so a replicated
-        placement counts once. Other rows are flags (> 0 on some rank) or maxima. `shapes` are fixed in
-        advance: a rank whose local() raises still sends zeros of those shapes, so no rank waits on a
-        collective another skipped, and the section fails on every rank.
-        """
-        if not self._collective:
-            return finish(*local())
-        try:
-            rows, error = [torch.as_tensor(r) for r in local()], None
-            if [tuple(r.shape) for r in rows] != [tuple(s) for s in shapes]:
-                raise ValueError(f"rows of shapes {[tuple(r.shape) for r in rows]}, expected {shapes}")
-        except Exception as exc:  # reported after the collective, on every rank
-            rows, error = None, exc
-        pending = _Pending(section=section, shapes=[tuple(s) for s in shapes], ops=ops or ["sum"] * len(shapes),
-                           rows=rows, error=error, finish=finish)
-        self._pendings.append(pending)
-        return pending
-
-    def _finish_pending(self, record: Dict[str, Any], errors: Dict[str, str]) -> None:
-        """Resolve every _Pending of this collection: sum (or max) all their rows over the ranks in one
-        float64 all_reduce per op, copy the result to the host once, and finish each section there (into
-        the record key that holds the _Pending, if any)."""
-        pending, self._pendings = self._pendings, []
-        if not pending:
-            return
-        import torch.distributed as dist
-
-        device = _reduce_device()
-        weights = self._replica_w.to(device, torch.float64)
-        flat: Dict[str, List[torch.Tensor]] = {"sum": [], "max": []}
-        for p in pending:
-            for k, shape in enumerate(p.shapes):
-                row = (p.rows[k] if p.rows is not None else torch.zeros(shape)).to(device, torch.float64)
-                if p.ops[k] == "sum" and row.dim() and row.shape[-1] == len(weights):
-                    row = row * weights
-                flat[p.ops[k]].append(row.reshape(-1))
-            flat["sum"].append(torch.tensor([0.0 if p.error is None else 1.0], dtype=torch.float64, device=device))
-        summed = {}
-        for op, parts in flat.items():
-            if parts:
-                vector = torch.cat(parts)
-                dist.all_reduce(vector, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-                summed[op] = vector.cpu()
-        at = {"sum": 0, "max": 0}
-        for p in pending:
-            rows = []
-            for k, shape in enumerate(p.shapes):
-                n, op = math.prod(shape), p.ops[k]
-                row = summed[op][at[op]:at[op] + n].reshape(shape)
-                at[op] += n
-                dtype = p.rows[k].dtype if p.rows is not None else torch.float32
-                rows.append(row.round().to(dtype) if not dtype.is_floating_point else row.to(dtype))
-            failed = int(summed["sum"][at["sum"]])
-            at["sum"] += 1
-            key = next((k for k, v in record.items() if v is p), None)
-            if key is not None:
-                del record[key]
-            fn, args = (_raise, [p.error]) if p.error is not None else (
-                (_raise, [RuntimeError(f"failed on {failed} other rank(s)")]) if failed else (p.finish, rows))
-            value = self._run_section(p.section, errors, fn, *args)
-            if key is not None and value is not None:
-                record[key] = value
-
-    # ---- sections ----------------------------------------------------------------------------------
-
-    def _gradient_norms(self, layout: _Layout, optimizer: Any = None) -> Any:
-        captured, self._captured = self._captured, None
-        # Read before this step by capture_gradients, for this very call.
-        rows = captured[2] if captured is not None and captured[:2] == (layout.key, self.step) else None
-
-        # Sharded layer_stats ride on this section's rows: one pass over the gradients, one all_reduce.
-        stats = self._collective and self.config.track_layer_stats
-        self._grad_stats = None
-
-        def local():
-            grad_rows = rows if rows is not None else self._gradient_rows(layout, optimizer, pre_step=False)
-            return (*grad_rows, *self._local_grad_stats(layout)) if stats else grad_rows
-
-        def finish(sq, has, *extra):
-            if stats:
-                self._grad_stats = {"sq": sq, "has": has, **dict(zip(_STAT_ROWS, extra))}
-            if not bool(has.any()):
-                return {"overall": None, **{g: None for g in layout.group_names}}
-            return self._by_group(layout, sq, has=has > 0)
-        n = len(layout.params)
-        extra = len(_STAT_ROWS) if stats else 0
-        ops = ["sum", "sum"] + [("max" if k in ("max", "negmin") else "sum") for k in _STAT_ROWS][:extra]
-        return self._reduced("gradient_norm", [(n,)] * (2 + extra), local, finish, ops)
-
-    def _local_grad_stats(self, layout: _Layout) -> List[torch.Tensor]:
-        """The _STAT_ROWS of this rank's part of each gradient and weight (per_tensor_stats; min as -max)."""
-        params = [local_part(p) for p in layout.params]
-        device = params[0].device
-        idx = [i for i, p in enumerate(layout.params) if p.grad is not None]
-        grads = [local_part(layout.params[i].grad) for i in idx]
-        got = per_tensor_stats([g.to_dense() if g.is_sparse else g for g in grads], device)
-        got["negmin"] = -got.pop("min")
-        out = []
-        for key in _STAT_ROWS[:-1]:
-            fill = -math.inf if key in ("max", "negmin") else 0
-            row = torch.full((len(params),), fill, dtype=got[key].dtype, device=device)
-            if idx:
-                row[torch.tensor(idx, device=device)] = got[key]
-            out.append(row)
-        out.append(per_tensor_sq_norms([p.detach() for p in params], device))  # weight_sq
-        return out
-
-    def _layer_stats_sharded(self, layout: _Layout) -> Dict[str, Any]:
-        """_layer_stats from the gradient section's all-reduced per-tensor statistics (_local_grad_stats)."""
-        got = self._grad_stats
-        if got is None:
-            raise RuntimeError("with sharded parameters, layer_stats comes with track_gradients; it was off or failed")
-        rows, index, _ = self._row_index(layout, self.config.layer_stats_by)
-        index = index.cpu()
-        present = [i for i, h in enumerate(got["has"].tolist()) if h > 0]
-        where = torch.tensor(present, dtype=torch.long)
-        stats = {k: got[k][where] for k in ("sq", "sum", "zeros", "nans", "infs", "numel", "max")}
-        stats["min"] = -got["negmin"][where]
-        pooled = pool_stats(stats, index[where], len(rows) + 1) if present else None
-        with_grad = {int(index[i]) for i in present}
-        weight_norm = torch.zeros(len(rows) + 1, dtype=torch.float64).index_add_(
-            0, index, got["weight_sq"].double()).sqrt()
-        return layer_entries(rows, pooled, with_grad, weight_norm)
-
-    def _gradient_rows(self, layout: _Layout, optimizer: Any, pre_step: bool) -> tuple:
-        """(||g||^2 of this rank's part of each gradient, unscaled, on its device; 1.0 where a gradient
-        exists, on the host). DeepSpeed's partitioned gradients come through full_gradient."""
-        grads = [full_gradient(p) for p in layout.params]
-        idx = [i for i, g in enumerate(grads) if g is not None]
-        has = torch.zeros(len(grads))
-        has[idx] = 1.0
-        for i in idx:
-            if is_sharded(grads[i]) and any(pl.is_partial() for pl in grads[i].placements):
-                raise ValueError(f"the gradient of {layout.names[i]} is Partial (not reduced yet)")
-        present = [local_part(grads[i]) for i in idx]
-        device = present[0].device if present else torch.device("cpu")
-        sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
-        if present:
-            sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms(
-                [g.to_dense() if g.is_sparse else g for g in present], device)
-        scale = self._scaler.scale_of(optimizer, pre_step)
-        if scale is not None:
-            sq = sq / scale.to(device, torch.float32).square()
-        return sq, has
-
-    def _usable_reference(self, named: List[tuple]) -> Optional[str]:
-        """The weight reference on disk when it holds exactly these tensors (this rank's parts, if sharded)."""
-        if not os.path.exists(self.checkpoint_file) or self._no_writes:
-            return None
-        if reference_matches(self.checkpoint_file, named):
-            return self.checkpoint_file
-        self._warn("reference", "telemetry: the weight reference on disk does not match the trainable "
-                                "parameters (this rank's part of them, when sharded); the delta restarts here")
-        return None
-
-    def _weight_delta(self, layout: _Layout) -> Dict[str, Any]:
-        """The delta; the same streamed pass (each reference read once) leaves in self._changes what
-        update_ratio, drift, weight_norm, param_change and sparse_quality need, then the reference is rewritten."""
-        cfg = self.config
-        named = [(n, local_part(p)) for n, p in zip(layout.names, layout.params)]  # this rank's part
-        self._changes, self._sparse_files = None, None
-        if self._collective:
-            return self._weight_delta_sharded(layout, named)
-        delta: Dict[str, Any] = {"overall": None, **{g: None for g in layout.group_names}}
-        reference = self._usable_reference(named)
-        initial = self._initial_reference(named) if cfg.track_update_ratio else None
-        detail = cfg.track_param_change or cfg.track_sparse_quality
-        thresholds = sorted(set(cfg.param_change_thresholds) | set(cfg.sparse_quality_thresholds)) if detail else []
-
-        def stream():
-            return streamed_weight_changes(named, reference, initial, thresholds,
-                                           cfg.param_change_rel_thresholds if cfg.track_param_change else [], detail)
-
-        sparse = reference is not None and cfg.track_sparse_quality and self._holdout
-        changes = stream() if sparse else self._stream_while_writing(named, stream)
-        changes["thresholds"] = thresholds
-        if reference is not None:
-            delta = self._by_group(layout, changes["delta_sq"])
-        self._changes = changes
-        if not sparse:
-            return delta
-        # Sparse quality rebuilds weights from the previous and the current reference: keep both a while.
-        previous = self.checkpoint_file + ".previous"
-        os.replace(self.checkpoint_file, previous)
-        try:
-            self._write_file(write_tensor_file, self.checkpoint_file, named)
-        finally:
-            if self._enabled and reference_matches(self.checkpoint_file, named):
-                self._sparse_files = (previous, self.checkpoint_file)
-            else:
-                os.remove(previous)
-        return delta
-
-    def _stream_while_writing(self, named: List[tuple], stream: Callable[[], Dict[str, torch.Tensor]]) -> Dict:
-        """stream() (the pass over the old reference) while the new reference is written: side by side for
-        large CPU models (see _pass_threads), where both are memory-bound and would leave a core idle in turn.
-        The old file is replaced only after both,
-        and a failed write (full disk) keeps stream()'s result."""
-        result: List[Dict[str, torch.Tensor]] = []
-        if _pass_threads([t for _, t in named]) > 1:  # large CPU models: a thread costs more than small ones save
-            self._write_file(write_tensor_file, self.checkpoint_file, named, lambda: result.append(stream()))
-        else:
-            result.append(stream())
-            self._write_file(write_tensor_file, self.checkpoint_file, named)
-        return result[0] if result else stream()
-
-    def _weight_delta_sharded(self, layout: _Layout, named: List[tuple]) -> Any:
-        """_weight_delta when each rank holds a part: each streams its part against its own reference file,
-        and the per-tensor sums (max for max_abs) meet in the collection's all_reduce. Every row exists on
-        every rank (zeros where this rank has no file); two flags say whether some rank had no reference
-        or no initial weights, which nulls those quantities everywhere."""
-        cfg = self.config
-        if any(hasattr(p, "ds_id") for p in layout.params):  # ZeRO-3 leaves empty placeholders in the model
-            raise NotImplementedError("weight_delta does not support DeepSpeed ZeRO-3 parameters")
-        detail = cfg.track_param_change
-        thresholds = sorted(set(cfg.param_change_thresholds)) if detail else []
-        rel = cfg.param_change_rel_thresholds if detail else []
-        n = len(named)
-        shapes = {"weight_sq": (n,), "delta_sq": (n,)}
-        if cfg.track_update_ratio:
-            shapes["drift_sq"] = (n,)
-        if detail:
-            shapes.update(l1=(n,), sum=(n,), max_abs=(n,), flips=(n,), below=(len(thresholds), n),
-                          below_rel=(len(rel), n))
-        keys = list(shapes)
-
-        def local():
-            reference = self._usable_reference(named)
-            initial = self._initial_reference(named) if cfg.track_update_ratio else None
-            changes = self._stream_while_writing(
-                named, lambda: streamed_weight_changes(named, reference, initial, thresholds, rel, detail))
-            rows = [changes[k] if k in changes else torch.zeros(shapes[k]) for k in keys]
-            return (*rows, torch.tensor([float(reference is None)]), torch.tensor([float(initial is None)]))
-
-        def finish(*rows):
-            changes = dict(zip(keys, rows))
-            if rows[-2].item() > 0:  # some rank had no reference: nothing "since the previous collection"
-                for k in ("delta_sq", "l1", "sum", "max_abs", "flips", "below", "below_rel"):
-                    changes.pop(k, None)
-            if rows[-1].item() > 0:
-                changes.pop("drift_sq", None)
-            changes["thresholds"] = thresholds
-            self._changes = changes
-            if "delta_sq" not in changes:
-                return {"overall": None, **{g: None for g in layout.group_names}}
-            return self._by_group(layout, changes["delta_sq"])
-        ops = ["max" if k == "max_abs" else "sum" for k in keys] + ["sum", "sum"]
-        return self._reduced("weight_delta", [shapes[k] for k in keys] + [(1,), (1,)], local, finish, ops)
-
-    def _learning_rates(self, layout: _Layout) -> Dict[str, Any]:
-        lrs = {name: read() for name, read in zip(layout.lr_names, layout.group_lrs)}
-        plain = [v for v in lrs.values() if not isinstance(v, torch.Tensor)]
-        tensors = [v for v in lrs.values() if isinstance(v, torch.Tensor)]
-        overall = max(plain + [t.max() for t in tensors]) if tensors else max(plain, default=None)
-        return {"overall": overall, **lrs}
-
-    def _by_group(self, layout: _Layout, per_tensor_sq: torch.Tensor, has: Optional[List[bool]] = None):
-        norms = group_norms(per_tensor_sq, layout.membership)
-        out: Dict[str, Any] = {"overall": norms[:layout.first_partition].square().sum().sqrt()}
-        counts = layout.membership.cpu() @ torch.as_tensor(has, dtype=torch.float32) if has is not None else None
-        for i, name in enumerate(layout.group_names):
-            out[name] = None if counts is not None and counts[i] == 0 else norms[i]
-        return out
-
-    def _evaluate_holdout(self, model: torch.nn.Module, device: Any) -> Dict[str, Any]:
-        model = _unwrap_ddp(model)  # DDP's forward can broadcast buffers: a collective rank 0 must not start alone
-        device = torch.device(device) if device is not None else _model_device(model)
-        batches = self._holdout_on.get(str(device))
-        if batches is None:
-            batches = self._holdout_on[str(device)] = [move_to(b, device) for b in self._holdout]
-        # Sharded forwards are collective: every rank runs one per batch, on its share of the examples.
-        share = self._collective
-        modes = [(m, m.training) for m in model.modules()]
-        rng = _rng_state()
-        all_logits, all_labels, lm_parts, split, failed = [], [], [], [], None
-        try:
-            model.eval()
-            with torch.no_grad():
-                for batch in batches:
-                    if share:
-                        batch, cut = rank_share(batch, self._rank, self._world)
-                        split.append(cut)
-                    try:
-                        outputs, labels = self._holdout_forward_one(model, batch)
-                        logits = output_logits(outputs)
-                        if logits.dim() == 3:  # reduce each batch at once: [batch, seq, vocab] is large
-                            lm_parts.append(language_model_holdout(logits, labels, self.config.holdout_token_ids))
-                        else:
-                            all_logits.append(logits)
-                            all_labels.append(labels)
-                    except Exception as exc:
-                        if not share:
-                            raise
-                        # Go on: the other ranks run the next batches' collective forwards, then the gather.
-                        failed = failed or exc
-        finally:
-            for module, mode in modes:
-                module.training = mode
-            _set_rng_state(rng)
-        if share:
-            return self._gather_holdout(all_logits, all_labels, lm_parts, split, failed)
-        if lm_parts:
-            return merge_lm_holdout(lm_parts)
-        return classification_holdout(torch.cat(all_logits), torch.cat([t.reshape(-1) for t in all_labels]))
-
-    def _gather_holdout(self, logits, labels, lm_parts, split, failed) -> Optional[Dict[str, Any]]:
-        """Every rank's holdout results to rank 0 (one gather_object), reassembled in holdout order: a split
-        batch is every rank's share in rank order, an unsplit one is rank 0's. A rank that failed still
-        takes part, and the section then fails on rank 0 too."""
-        import torch.distributed as dist
-
-        cpu = torch.device("cpu")
-        mine = {"error": None if failed is None else f"{type(failed).__name__}: {failed}",
-                "logits": move_to(logits, cpu), "labels": move_to(labels, cpu), "lm": move_to(lm_parts, cpu)}
-        every = [None] * self._world if self._rank == 0 else None
-        dist.gather_object(mine, every, dst=0)
-        if failed is not None:
-            raise failed
-        if self._rank != 0:
-            return None
-        bad = [(r, m["error"]) for r, m in enumerate(every) if m["error"]]
-        if bad:
-            raise RuntimeError(f"holdout failed on rank {bad[0][0]}: {bad[0][1]}")
-        got_logits, got_labels, got_lm = [], [], []
-        for b, cut in enumerate(split):
-            for m in every if cut else every[:1]:
-                if m["lm"]:
-                    got_lm.append(m["lm"][b])
-                else:
-                    got_logits.append(m["logits"][b])
-                    got_labels.append(m["labels"][b])
-        if got_lm:
-            return merge_lm_holdout(got_lm)
-        return classification_holdout(torch.cat(got_logits), torch.cat([t.reshape(-1) for t in got_labels]))
-
-    def _holdout_forward_one(self, model, batch):
-        label_key = None
-        if isinstance(batch, dict):
-            label_key = find_label_key(batch, self.config.batch_label_key)
-        if self._holdout_labels is not None:
-            labels = self._holdout_labels(batch)
-        elif isinstance(batch, dict):
-            # A causal LM batch may carry only input_ids: its labels are the inputs themselves.
-            labels = batch[label_key] if label_key is not None else batch.get("input_ids")
-            if labels is None:
-                raise KeyError(f"holdout batch has no label key (tried {', '.join(LABEL_KEYS)}); "
-                               "set batch_label_key or pass labels= to set_holdout_data")
-        else:
-            labels = batch[-1]
-        if self._holdout_forward is not None:
-            return self._holdout_forward(model, batch), labels
-        if isinstance(batch, dict):
-            # Labels are never passed: fused-loss models (unsloth) return no logits when given labels.
-            return model(**{k: v for k, v in batch.items() if k != label_key}), labels
-        return model(*batch[:-1]), labels
-
-    def _batch_stats(self, batch: Any) -> Dict[str, Any]:
-        if isinstance(batch, dict):
-            if isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2:
-                return token_balance(batch)
-            key = find_label_key(batch, self.config.batch_label_key)
-            if key is None:
-                return {"batch_size": batch_size_of(batch)}
-            return label_balance(batch[key], key)
-        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
-            return label_balance(batch[-1], self.config.batch_label_key or "label")
-        return {"batch_size": batch_size_of(batch)}
-
-    def _lora(self, model: torch.nn.Module, layout: _Layout) -> Optional[Dict[str, Any]]:
-        if self._lora_found is None or self._lora_found[0] != layout.key:
-            found = [(name, module, adapter, *lora_factors(module, adapter), dora_magnitude(module, adapter))
-                     for name, module, adapter in find_lora_modules(model)]
-            self._lora_found = (layout.key, found)
-        found = self._lora_found[1]
-        if not found:
-            return None  # no LoRA in this model: no section
-        if self._collective:  # B @ A needs whole factors; gathering them is what sharding avoids
-            raise NotImplementedError("the lora section does not support sharded (FSDP2) parameters yet")
-        name_of = {id(p): n for n, p in zip(layout.names, layout.params)}
-        entries = [(name, a, b, module.scaling[adapter]) for name, module, adapter, a, b, _ in found]
-        stats = lora_stats(entries, self._lora_previous(found, name_of))
-        mags = [(name_of.get(id(m), f"{name}.{adapter}"), m) for name, _, adapter, _, _, m in found
-                if m is not None]
-        if mags:
-            for key, m in mags:
-                self._dora_start.setdefault(key, m.detach().float().clone())
-            stats["dora_magnitude_drift"] = relative_drift([m for _, m in mags],
-                                                           [self._dora_start[k] for k, _ in mags])
-        if not self._keeps_reference():  # no full reference is written: keep one of the adapters
-            ids = {id(t) for entry in found for t in entry[3:] if t is not None}
-            self._write_file(write_tensor_file, self.checkpoint_file,
-                             [(n, p) for n, p in zip(layout.names, layout.params) if id(p) in ids])
-        return stats
-
-    def _lora_previous(self, found: List[tuple], name_of: Dict[int, str]):
-        """(A0, B0) of each LoRA module from the weight reference on disk, or None when it holds none.
-
-        The reference is the one weight_delta keeps (trainable A and B are in it). A factor that is not
-        trainable is not in it either: it cannot have changed, so the current tensor stands in.
-        """
-        try:
-            header, _ = read_tensor_header(self.checkpoint_file)
-        except (OSError, ValueError):
-            return None
-        wanted = []
-        for *_, a, b, _ in found:
-            for p in (a, b):
-                name = name_of.get(id(p))
-                if name is None:
-                    continue
-                meta = header.get(name)
-                if meta is None or meta["shape"] != list(p.shape) or meta["dtype"] != _DTYPE_CODES.get(p.dtype):
-                    return None
-                wanted.append(name)
-
-        def pairs():
-            stream = stream_tensor_file(self.checkpoint_file, wanted)
-            try:
-                for *_, a, b, _ in found:
-                    # copy=True: the stream's tensors map a file that a later reference write overwrites in place
-                    yield tuple(next(stream).to(p.device, copy=True) if id(p) in name_of else p for p in (a, b))
-            finally:
-                stream.close()
-        return pairs()
-
-    # ---- training dynamics -------------------------------------------------------------------------
-
-    def add_metric(self, name: str, fn: Callable[..., Dict[str, Any]]) -> None:
-        """Record `fn(model, optimizer, context)` under `custom.<name>` at every collection.
-
-        `context` is {"step", "batch_idx", "epoch", "batch", "loss"}; `fn` returns {str: number or tensor}
-        (tensors are resolved with the record's one transfer). A failing metric is isolated like a built-in
-        one: recorded in errors["custom.<name>"], warned about once, raised only when `strict`.
-        """
-        if not isinstance(name, str) or not name or "." in name:
-            raise ValueError(f"add_metric: name must be a non-empty string without dots, got {name!r}")
-        if not callable(fn):
-            raise TypeError(f"add_metric: fn must be callable, got {type(fn).__name__}")
-        self._metrics[name] = fn
-
-    def _keeps_reference(self) -> bool:
-        """Whether collections stream and rewrite the weight reference (several sections share one pass)."""
-        cfg = self.config
-        return cfg.track_weight_delta or cfg.track_update_ratio or cfg.track_param_change or cfg.track_sparse_quality
-
-    def _add_dynamics(self, record, errors, layout, model, device) -> None:
-        cfg = self.config
-        if cfg.track_layer_stats:
-            self._add(record, errors, "layer_stats", self._layer_stats, layout)
-        if self._changes is not None:  # this collection's weight pass (see _weight_delta)
-            if cfg.track_update_ratio:
-                self._add(record, errors, "update_ratio", self._update_ratio, layout)
-                self._add(record, errors, "drift", self._drift, layout)
-                self._add(record, errors, "weight_norm", self._weight_norm, layout)
-            if cfg.track_param_change:
-                self._add(record, errors, "param_change", self._param_change, layout)
-        if cfg.track_sparse_quality:
-            self._add(record, errors, "sparse_quality", self._sparse_quality, layout, model, device)
-        self._changes = None
-
-    def _add_extras(self, record, errors, model, optimizer, batch_idx, epoch, batch, loss, started) -> None:
-        if self.config.track_system:
-            self._add(record, errors, "system", self._clock.section, model, batch, started, self.step)
-        if self._metrics:
-            context = {"step": self.step, "batch_idx": batch_idx, "epoch": epoch, "batch": batch, "loss": loss}
-            custom = {}
-            for name, fn in list(self._metrics.items()):
-                value = self._run_section(f"custom.{name}", errors, self._custom_metric, fn, model, optimizer,
-                                          context)
-                if value is not None:
-                    custom[name] = value
-            if custom:
-                record["custom"] = custom
-
-    def _after_host(self, record: Dict[str, Any], layout: Optional[_Layout], errors: Dict[str, str]) -> None:
-        """The steps that compare numbers, after the record's one transfer: no further sync when healthy."""
-        ratio, norms = record.get("update_ratio"), record.get("weight_norm")
-        if isinstance(ratio, dict) and isinstance(norms, dict):
-            for group, norm in norms.items():
-                if norm == 0 and group in ratio:
-                    ratio[group] = None  # ||W|| = 0 (a zero-initialised layer): no ratio, not an Inf
-        if layout is not None and _has_nonfinite(record):  # rare: one more pass names the culprits
-            self._add(record, errors, "nonfinite_params", self._nonfinite_params, layout)
-            if "layer_stats" in record and not self._collective:
-                self._add(record, errors, "layer_stats", lambda: to_host(self._layer_stats(layout, True)))
-        if self.config.alerts:
-            self._add(record, errors, "alerts", self._alerts.check, record)
-
-    def _initial_reference(self, named: List[tuple]) -> Optional[str]:
-        """The W_0 file of drift: kept while it matches the model (across resumes too), else written now."""
-        path = self.initial_file
-        if os.path.exists(path):
-            if reference_matches(path, named):
-                return path
-            self._warn("initial", "telemetry: initial_weights.safetensors does not match the model's "
-                                  "trainable parameters; drift restarts from here")
-        self._write_file(write_tensor_file, path, named)
-        return path if self._enabled and os.path.exists(path) else None
+    def _probe(self, layout: Optional[_Layout]) -> str:
+        """What every rank must agree on before they start the same collectives."""
+        config = {k: v for k, v in dataclasses.asdict(self.config).items() if k != "output_dir"}
+        return json.dumps([config, len(layout.params) if layout is not None else None, self._ranks.kind,
+                           self._holdout.sizes()], sort_keys=True, default=str)
 
     def _capture_initial(self, model, optimizer) -> None:
         # W_0 at the hook's first call (after the first step), not at the first collection 200 steps on.
-        self._initial_pending = False
+        self._reference.initial_pending = False
         try:
             layout = self._layout_for(model, optimizer)
-            if not self._refresh_dist(model, layout):  # DDP: rank 0 alone keeps it
-                return
-            self._initial_reference([(n, local_part(p)) for n, p in zip(layout.names, layout.params)])
+            if self._take_part(model, layout, agree=False):  # DDP: rank 0 alone keeps it
+                self._reference.initial_for(layout.local_named())
         except Exception as exc:
             if self.config.strict:
                 raise
             self._warn("initial", f"telemetry: could not keep the initial weights ({exc!r}); drift is "
                                   "measured from the first collection")
-
-    def _update_ratio(self, layout: _Layout) -> Dict[str, Any]:
-        changes = self._changes
-        if "delta_sq" not in changes:  # no reference yet: null, like weight_delta
-            return {"overall": None, **{g: None for g in layout.group_names}}
-        delta = self._by_group(layout, changes["delta_sq"])
-        weight = self._by_group(layout, changes["weight_sq"])
-        return {k: delta[k] / weight[k] for k in delta}
-
-    def _drift(self, layout: _Layout) -> Optional[Dict[str, Any]]:
-        changes = self._changes
-        return self._by_group(layout, changes["drift_sq"]) if "drift_sq" in changes else None
-
-    def _weight_norm(self, layout: _Layout) -> Dict[str, Any]:
-        return self._by_group(layout, self._changes["weight_sq"])
-
-    def _param_change(self, layout: _Layout) -> Optional[Dict[str, Any]]:
-        changes, cfg = self._changes, self.config
-        if "l1" not in changes:
-            return None  # no reference yet: nothing changed "since the previous collection"
-        wide, device = changes["l1"].dtype, changes["l1"].device
-        numel = torch.tensor([p.numel() for p in layout.params], dtype=wide, device=device)
-        n = numel.sum().clamp(min=1)
-        sq = changes["delta_sq"].to(wide)
-        mean = changes["sum"].sum() / n
-        below = changes["below"][[changes["thresholds"].index(t) for t in cfg.param_change_thresholds]].to(wide)
-        below_rel = changes["below_rel"].to(wide)
-        out: Dict[str, Any] = {
-            "l2": sq.sum().sqrt(), "l1": changes["l1"].sum(), "max_abs": changes["max_abs"].max(), "mean": mean,
-            "std": (sq.sum() / n - mean.square()).clamp(min=0).sqrt(),
-            "sign_flip_fraction": changes["flips"].sum().to(wide) / n,
-            "sparsity": {threshold_key(t): below[k].sum() / n for k, t in enumerate(cfg.param_change_thresholds)},
-            "sparsity_rel": {threshold_key(t): below_rel[k].sum() / n
-                             for k, t in enumerate(cfg.param_change_rel_thresholds)}}
-        for key, by in (("per_layer", "layer"), ("per_component", "component")):
-            rows, index, _ = self._row_index(layout, by)
-            if not rows:
-                continue
-
-            def total(v):  # the last row collects tensors that match no row
-                return torch.zeros(len(rows) + 1, dtype=wide, device=device).index_add_(0, index, v)
-
-            count = total(numel).clamp(min=1)
-            l2, mean_abs = total(sq).sqrt(), total(changes["l1"]) / count
-            shares = torch.stack([total(b) for b in below]) / count if len(below) else None
-            out[key] = {row: {"l2": l2[r], "mean_abs": mean_abs[r],
-                              "sparsity": {threshold_key(t): shares[k, r]
-                                           for k, t in enumerate(cfg.param_change_thresholds)}}
-                        for r, row in enumerate(rows)}
-        return out
-
-    def _row_index(self, layout: _Layout, by: str) -> tuple:
-        """(row names, row of each tensor as a device LongTensor, the same as a list) for by = layer, group,
-        tensor or component. Tensors that match no row (components only) get row len(rows). Cached."""
-        hit = self._rows.get(by)
-        if hit is not None and hit[0] is layout:
-            return hit[1:]
-        if by == "tensor":
-            labels = list(layout.names)
-        elif by == "group":
-            first = layout.membership[:layout.first_partition]
-            labels = [layout.group_names[int(first[:, i].argmax())] for i in range(len(layout.params))]
-        elif by == "layer":
-            labels = [layer_key(n) for n in layout.names]
-        else:
-            labels = [component_of(n) for n in layout.names]
-        rows = list(dict.fromkeys(label for label in labels if label is not None))
-        position = {row: k for k, row in enumerate(rows)}
-        as_list = [position.get(label, len(rows)) for label in labels]
-        device = layout.params[0].device if layout.params else "cpu"
-        self._rows[by] = (layout, rows, torch.tensor(as_list, dtype=torch.long, device=device), as_list)
-        return self._rows[by][1:]
-
-    def _layer_stats(self, layout: _Layout, nonfinite_counts: bool = False) -> Optional[Dict[str, Any]]:
-        # NaN/Inf counts are 0 unless some statistic is non-finite: _after_host then counts them for real.
-        if not layout.params:
-            return None
-        if self._collective:
-            return self._layer_stats_sharded(layout)
-        rows, index, as_list = self._row_index(layout, self.config.layer_stats_by)
-        device = layout.params[0].device
-        grads = [p.grad for p in layout.params]
-        present = [i for i, g in enumerate(grads) if g is not None and g.numel()]
-        w_sq = per_tensor_sq_norms([p.detach() for p in layout.params], device)
-        weight_norm = torch.zeros(len(rows) + 1, device=device).index_add_(0, index, w_sq).sqrt()
-        pooled, with_grad = None, {as_list[i] for i in present}
-        if present:
-            stats = per_tensor_stats([grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in present],
-                                     device, nonfinite_counts)
-            pooled = pool_stats(stats, index[present], len(rows) + 1)
-        return layer_entries(rows, pooled, with_grad, weight_norm)
-
-    def _nonfinite_params(self, layout: _Layout) -> Optional[List[str]]:
-        """Names of the trainable tensors whose weights or gradients hold NaN/Inf (one pass, one transfer)."""
-        if not layout.params:
-            return None
-        device = layout.params[0].device
-        with_grad = [i for i, p in enumerate(layout.params) if p.grad is not None]
-        # Sharded: this rank's parts only (no collective here: ranks may disagree about running it).
-        grads = [local_part(layout.params[i].grad) for i in with_grad]
-        finite = torch.cat([per_tensor_finite([local_part(p).detach() for p in layout.params], device),
-                            per_tensor_finite([g.to_dense() if g.is_sparse else g for g in grads], device)]
-                           ).cpu().tolist()
-        n = len(layout.params)
-        bad = [i for i in range(n) if not finite[i]] + [i for k, i in enumerate(with_grad) if not finite[n + k]]
-        names = list(dict.fromkeys(layout.names[i] for i in sorted(bad)))
-        return names or None
-
-    def _dispatch_alerts(self, record: Optional[Dict[str, Any]]) -> None:
-        # Outside the hook's error guard: what on_alert raises (e.g. to stop training) reaches the loop.
-        pending = self._alerts.take()
-        if self.on_alert is not None and record is not None:
-            for alert in pending:
-                self.on_alert(dict(alert, step=record["step"]))
-
-    @staticmethod
-    def _custom_metric(fn: Callable, model, optimizer, context) -> Dict[str, Any]:
-        values = fn(model, optimizer, context)
-        if not isinstance(values, dict):
-            raise TypeError(f"returned a {type(values).__name__}, expected a dict of numbers")
-        out = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                value = value.detach()
-            elif not (value is None or isinstance(value, (bool, int, float))):
-                raise TypeError(f"value {key!r} is a {type(value).__name__}, expected a number or a tensor")
-            out[str(key)] = value
-        return out
-
-    def _sparse_quality(self, layout: _Layout, model: torch.nn.Module, device: Any) -> Optional[Dict[str, Any]]:
-        files, self._sparse_files = self._sparse_files, None
-        if self._collective:  # it rewrites the weights from whole references, which no rank holds
-            raise NotImplementedError("sparse_quality does not support sharded (FSDP2) parameters")
-        if not self._holdout:
-            self._warn("sparse-holdout", "telemetry: track_sparse_quality needs holdout inputs "
-                                         "(set_holdout_data); skipped")
-            return None
-        if files is None or self._changes is None or "below" not in self._changes:
-            return None  # the first collection: no update to sparsify yet
-        previous, current = files
-        try:
-            return self._compare_sparse(layout, model, device, previous, current)
-        finally:
-            try:
-                os.remove(previous)
-            except OSError:
-                pass
-
-    def _compare_sparse(self, layout, model, device, previous: str, current: str) -> Dict[str, Any]:
-        """Holdout outputs of the full update against the update with only |dW| > t kept, per threshold,
-        and against a random mask keeping the same share of each tensor (the baseline).
-
-        The weights are overwritten in place chunk by chunk from the two references on disk (previous and
-        current weights), never copied on the device; the current file restores them bit for bit.
-        """
-        cfg, changes = self.config, self._changes
-        device = torch.device(device) if device is not None else _model_device(model)
-        batches = self._holdout_on.get(str(device))
-        if batches is None:
-            batches = self._holdout_on[str(device)] = [move_to(b, device) for b in self._holdout]
-        counts = torch.tensor([p.numel() for p in layout.params], dtype=changes["l1"].dtype,
-                              device=changes["below"].device)
-        modes = [(m, m.training) for m in model.modules()]
-        rng = _rng_state()
-        out: Dict[str, Any] = {}
-        touched = False
-        try:
-            model.eval()
-            with torch.no_grad():
-                full, valid = [], []
-                for batch in batches:
-                    outputs, labels = self._holdout_forward_one(model, batch)
-                    logits = output_logits(outputs).detach()
-                    full.append(logits)
-                    valid.append(_valid_positions(logits, labels))
-                for k, t in enumerate(cfg.sparse_quality_thresholds):
-                    dropped = changes["below"][changes["thresholds"].index(t)].to(counts.dtype)
-                    entry: Dict[str, Any] = {"kept_ratio": 1 - dropped.sum() / counts.sum().clamp(min=1)}
-                    touched = True
-                    self._apply_sparse(layout, previous, current, threshold=t)
-                    entry.update(self._agreement(model, batches, full, valid))
-                    keep = 1 - dropped / counts.clamp(min=1)
-                    self._apply_sparse(layout, previous, current, keep=keep, seed=self.step * 1009 + k)
-                    entry["random"] = self._agreement(model, batches, full, valid)
-                    out[threshold_key(t)] = entry
-        finally:
-            if touched:
-                with torch.no_grad():
-                    _overwrite_weights(layout.params, (
-                        (i, start, chunk.to(layout.params[i].device))
-                        for i, start, chunk in stream_tensor_chunks(current, layout.names)))
-            for module, mode in modes:
-                module.training = mode
-            _set_rng_state(rng)
-        return out
-
-    def _apply_sparse(self, layout: _Layout, previous: str, current: str, threshold: Optional[float] = None,
-                      keep: Optional[torch.Tensor] = None, seed: int = 0) -> None:
-        """w <- where(mask, w_now, w_prev) for every trainable tensor: mask = |w_now - w_prev| > threshold,
-        or (with keep) uniform < keep[i] from a private generator: the global RNG is not touched."""
-        generators: Dict[Any, torch.Generator] = {}
-
-        def chunks():
-            for (i, start, now), (_, _, prev) in zip(stream_tensor_chunks(current, layout.names),
-                                                     stream_tensor_chunks(previous, layout.names)):
-                dev = layout.params[i].device
-                now_d, prev_d = now.to(dev), prev.to(dev)
-                if keep is None:
-                    mask = (now_d.float() - prev_d.float()).abs() > threshold
-                else:
-                    gen = generators.get(dev)
-                    if gen is None:
-                        gen = generators[dev] = torch.Generator(device=dev)
-                        gen.manual_seed(seed)
-                    mask = torch.rand(now_d.shape, generator=gen, device=dev) < keep[i].to(dev)
-                yield i, start, torch.where(mask, now_d, prev_d)
-
-        _overwrite_weights(layout.params, chunks())
-
-    def _agreement(self, model, batches, full, valid) -> Dict[str, Any]:
-        sums = None
-        for batch, reference, ok in zip(batches, full, valid):
-            outputs, _ = self._holdout_forward_one(model, batch)
-            part = logit_agreement(reference, output_logits(outputs), ok)
-            sums = part if sums is None else {k: sums[k] + part[k] for k in part}
-        positions = sums["positions"].clamp(min=1)
-        return {"kl": (sums["kl"] / positions).clamp(min=0), "cosine": sums["cosine"] / positions,
-                "mse": sums["sq"] / sums["elements"].clamp(min=1), "top1_agree": sums["agree"] / positions}
-
-    # ---- groups ------------------------------------------------------------------------------------
-
-    def _layout_for(self, model: torch.nn.Module, optimizer: Any) -> _Layout:
-        opt_groups = getattr(optimizer, "param_groups", None) or []
-        key = (id(model), id(optimizer), tuple(len(g["params"]) for g in opt_groups),
-               sum(p.requires_grad for p in model.parameters()))
-        if self._layout is not None and self._layout.key == key:
-            return self._layout
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        names = [n for n, _ in named]
-        params = [p for _, p in named]
-        opt_index = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"]}
-        opt_names = [str(g.get("name") or f"group_{gi}") for gi, g in enumerate(opt_groups)]
-
-        def lr_reader(gi):
-            return (lambda: opt_groups[gi]["lr"]) if gi is not None else (lambda: 0.0)
-
-        partitions: List[Dict[str, List[int]]] = []
-        readers: Dict[str, Callable] = {}
-        if self.config.groups:
-            chosen: Dict[str, List[int]] = {g: [] for g in self.config.groups}
-            for i, name in enumerate(names):
-                group = next((g for g, pats in self.config.groups.items()
-                              if any(param_matches(name, p) for p in pats)), "other")
-                chosen.setdefault(group, []).append(i)
-            partitions.append({g: idx for g, idx in chosen.items() if idx or g != "other"})
-            for g, idx in partitions[0].items():
-                held = [opt_index.get(id(params[i])) for i in idx]
-                readers[g] = lr_reader(max(set(held), key=held.count) if held else None)
-        elif opt_groups:
-            by_opt: Dict[str, List[int]] = {n: [] for n in opt_names}
-            for i, p in enumerate(params):
-                gi = opt_index.get(id(p))
-                by_opt.setdefault(opt_names[gi] if gi is not None else "not_in_optimizer", []).append(i)
-            # A group with no trainable parameter (the HF Trainer's empty no-decay group) has a learning
-            # rate but no gradient or delta: a 0 there would read as a frozen group.
-            partitions.append({n: idx for n, idx in by_opt.items() if idx})
-            for gi, n in enumerate(opt_names):
-                readers[n] = lr_reader(gi)
-            if by_opt.get("not_in_optimizer"):
-                readers["not_in_optimizer"] = lr_reader(None)
-        else:
-            partitions.append({"all": list(range(len(params)))})
-            readers["all"] = lr_reader(None)
-        if self.config.groups and opt_groups:  # optimizer groups too: the record shows both
-            for gi, n in enumerate(opt_names):
-                if n not in partitions[0]:
-                    readers[n] = lr_reader(gi)
-        if self.config.track_lora and not self.config.groups:  # LoRA groups, beside the optimizer's
-            lora = self._lora_partition(model, params, partitions[0])
-            if lora:
-                partitions.append(lora)
-                for g, idx in lora.items():
-                    held = [opt_index.get(id(params[i])) for i in idx]
-                    readers[g] = lr_reader(max(set(held), key=held.count))
-        group_names = [g for part in partitions for g in part]
-        membership = torch.zeros(len(group_names), len(params))
-        for row, idx in enumerate(idx for part in partitions for idx in part.values()):
-            membership[row, idx] = 1.0
-        # Learning rates also name optimizer groups that hold no trainable parameter of their own here.
-        lr_names = group_names + [n for n in readers if n not in group_names]
-        self._layout = _Layout(key=key, names=names, params=params, group_names=group_names,
-                               membership=membership, lr_names=lr_names,
-                               group_lrs=[readers[g] for g in lr_names], first_partition=len(partitions[0]))
-        self._describe_layout(model, optimizer, partitions)
-        return self._layout
-
-    def _lora_partition(self, model, params, first: Dict[str, List[int]]) -> Dict[str, List[int]]:
-        """lora_A, lora_B, lora_magnitude (DoRA) and the other trainable parameters, when there is LoRA.
-
-        A group that the first partition already has with the same members is left out (same numbers), and
-        so is "other" when some optimizer group holds exactly those; a name the first partition uses for
-        other members gets a "_lora" suffix, so record keys never collide.
-        """
-        roles: Dict[int, str] = {}
-        for _, module, adapter in find_lora_modules(model):
-            a, b = lora_factors(module, adapter)
-            roles[id(a)], roles[id(b)] = "lora_A", "lora_B"
-            m = dora_magnitude(module, adapter)
-            if m is not None:
-                roles[id(m)] = "lora_magnitude"
-        if not roles:
-            return {}
-        part: Dict[str, List[int]] = {"lora_A": [], "lora_B": [], "lora_magnitude": [], "other": []}
-        for i, p in enumerate(params):
-            part[roles.get(id(p), "other")].append(i)
-        same = [idx for idx in first.values()]
-        return {(g + "_lora" if g in first else g): idx for g, idx in part.items()
-                if idx and first.get(g) != idx and not (g == "other" and idx in same)}
-
-    def _describe_layout(self, model, optimizer, partitions) -> None:
-        layout = self._layout
-        all_params = list(model.parameters())
-        groups = {}
-        for part in partitions:
-            for g, idx in part.items():
-                groups[g] = {"tensors": len(idx), "elements": sum(layout.params[i].numel() for i in idx),
-                             "names": [layout.names[i] for i in idx]}
-        self._run_info.update(
-            parameters={"total": sum(p.numel() for p in all_params),
-                        "trainable": sum(p.numel() for p in layout.params)},
-            groups=groups, optimizer=type(optimizer).__name__ if optimizer is not None else None,
-            world_size=1, rank=0)
-        self._write_run_info()
-
-    # ---- checks ------------------------------------------------------------------------------------
-
-    def _check_gradients(self, record: Dict[str, Any]) -> None:
-        norms = record.get("gradient_norm")
-        if not norms:
-            return
-        if norms.get("overall") is None:
-            self._warn("no-grad", "telemetry: no gradients at collection time, recorded as null. "
-                                  "Call on_batch_end after optimizer.step() and before zero_grad().")
-        elif norms["overall"] == 0.0:
-            self._warn("zero-grad", "telemetry: every gradient is exactly 0. If zero_grad() ran "
-                                    "before on_batch_end, call on_batch_end before zero_grad().")
-
-    # ---- I/O ---------------------------------------------------------------------------------------
-
-    def _append(self, record: Dict[str, Any]) -> None:
-        if self._rank != 0:  # one writer per run
-            return
-        if self._holding:
-            self._held.append(record)
-            return
-        self._mirrors.send(record)  # first, so that a mirror's error is in the line
-        line = json.dumps(record, allow_nan=False, separators=(",", ":"), default=_json_default)
-        self._write_file(self._append_line, line)
-
-    def _release_held(self) -> None:
-        """Write the records held back for the Trainer's log (see hf_callback_class), in order."""
-        held, self._held, holding = self._held, [], self._holding
-        self._holding = False
-        try:
-            for record in held:
-                self._append(record)
-        finally:
-            self._holding = holding
-
-    def _append_line(self, line: str) -> None:
-        if self._records is None:
-            self._records = open(self.metrics_file, "a", encoding="utf-8")
-            if self._records.tell() and not _ends_with_newline(self.metrics_file):
-                self._records.write("\n")  # a torn last line from a crash stays on its own line
-        self._records.write(line + "\n")
-        self._records.flush()
-
-    def _write_file(self, fn, *args) -> None:
-        """Run a write; on a full or unwritable disk, warn once and stop collecting (training goes on)."""
-        if self._no_writes:
-            return
-        try:
-            fn(*args)
-        except OSError as exc:
-            if self.config.strict:
-                raise
-            if self._collective:  # the other ranks still collect: keep taking part, stop writing
-                self._no_writes = True
-            else:
-                self._enabled = False
-            self._warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}); telemetry is "
-                               "off for the rest of this run, training goes on")
-
-    def _load_run_info(self) -> Dict[str, Any]:
-        try:
-            with open(self.run_file, encoding="utf-8") as f:
-                info = json.load(f)
-            info.setdefault("starts", [])
-            return info
-        except (OSError, ValueError):
-            return {"starts": []}
-
-    def _write_run_info(self) -> None:
-        if self._rank != 0:
-            return
-
-        def write(path, info):
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(info, f, indent=1, default=_json_default)
-            os.replace(path + ".tmp", path)
-        self._write_file(write, self.run_file, self._run_info)
-
-    def _last_logged_step(self) -> int:
-        """The step of the last readable record, so a resumed run keeps counting where it stopped."""
-        try:
-            with open(self.metrics_file, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                chunk = 1 << 16
-                while True:
-                    f.seek(max(0, size - chunk))
-                    lines = f.read(min(chunk, size)).splitlines()
-                    for line in reversed(lines[1:] if size > chunk else lines):
-                        try:
-                            return int(json.loads(line)["step"])
-                        except (ValueError, KeyError, TypeError):
-                            continue
-                    if size <= chunk:
-                        return 0
-                    chunk *= 4
-        except OSError:
-            return 0
 
 
 # =====================================================================================================
@@ -3106,7 +3300,7 @@ def hf_callback_class() -> type:
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self._detach()
-            if model is not None and self.telemetry._enabled:
+            if model is not None and self.telemetry._active():
                 self._handles = [model.register_forward_pre_hook(self._see_batch, with_kwargs=True),
                                  model.register_forward_hook(self._see_output, with_kwargs=True)]
 
@@ -3119,14 +3313,8 @@ def hf_callback_class() -> type:
 
         def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._release()
-            telemetry = self.telemetry
-            telemetry.step = state.global_step  # on_batch_end counts it up to this optimizer step
-            telemetry._holding = True
-            try:
-                self._pending = telemetry.on_batch_end(model, optimizer, state.global_step + 1, self._epoch,
-                                                       batch=self._batch, loss=self._step_loss())
-            finally:
-                telemetry._holding = False
+            self._pending = self.telemetry._collect_held(model, optimizer, state.global_step, self._epoch,
+                                                         self._batch, self._step_loss())
             self._losses = []
 
         def on_log(self, args, state, control, logs=None, **kwargs):

@@ -93,7 +93,7 @@ def train(out, mode="single", rank=0, world=1, hook=None, **overrides):
         loss.backward()
         optimizer.step()
         if hook is not None:
-            hook(step, telemetry)
+            hook(step, telemetry, inner, holdout)
         records.append(telemetry.on_batch_end(model, optimizer, step, 0, batch=(x, y), loss=loss))
     telemetry.close()
     return records
@@ -114,7 +114,7 @@ def _worker(rank, port, root):
         try:
             train(os.path.join(root, "strict"), "fsdp2", rank, WORLD, hook=_faults(rank), track_layer_stats=False)
             returned["strict"] = None
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             returned["strict"] = str(exc)
         # Holdout on rank 0 only, a common mistake: every rank must turn telemetry off, none may hang.
         tel = TrainingTelemetry(config(os.path.join(root, "disagree"), strict=False))
@@ -124,7 +124,7 @@ def _worker(rank, port, root):
         if rank == 0:
             tel.set_holdout_data(data()[2])
         model(torch.randn(2, 6)).sum().backward()
-        returned["disagree"] = [tel.on_batch_end(model, None, 0, 0), tel._enabled]
+        returned["disagree"] = [tel.on_batch_end(model, None, 0, 0), tel.on_batch_end(model, None, 0, 0)]
     finally:
         with open(os.path.join(root, f"returned.rank{rank}.json"), "w") as f:
             json.dump(returned, f)
@@ -132,23 +132,25 @@ def _worker(rank, port, root):
 
 
 def _faults(rank):
-    """Rank-local failures: rank 1's gradient pass raises at step 1; at step 2 rank 1 loses its weight
-    reference and its holdout forward raises after the (collective) model call."""
-    def hook(step, telemetry):
+    """Rank-local failures, on rank 1 only: at step 1 a gradient that was never reduced (a Partial DTensor,
+    which the gradient pass refuses); at step 2 its weight reference is gone and its holdout forward raises
+    after the (collective) model call."""
+    def hook(step, telemetry, model, holdout):
         if rank != 1:
             return
         if step == 1:
-            def broken(*args, **kwargs):
-                raise RuntimeError("injected")
-            telemetry._gradient_rows = broken
+            from torch.distributed.tensor import DTensor, Partial
+
+            grad = model.scale.grad
+            model.scale.grad = DTensor.from_local(grad.to_local(), grad.device_mesh, [Partial()], run_check=False,
+                                                  shape=grad.shape, stride=grad.stride())
         if step == 2:
-            del telemetry._gradient_rows
             os.remove(telemetry.checkpoint_file)
 
             def forward(model, batch):
                 model(*batch[:-1])
                 raise RuntimeError("injected after the forward")
-            telemetry._holdout_forward = forward
+            telemetry.set_holdout_data(holdout, forward=forward)
     return hook
 
 
@@ -283,13 +285,15 @@ def test_rank_local_failures_fail_the_section_on_every_rank_without_hanging(runs
 
 def test_strict_raises_on_every_rank(runs):
     root, _, returned = runs
-    assert returned[0]["strict"] == "failed on 1 other rank(s)" and returned[1]["strict"] == "injected"
+    assert returned[0]["strict"] == "failed on 1 other rank(s)"
+    assert returned[1]["strict"] == "the gradient of scale is Partial (not reduced yet)"
     assert len(read(root / "strict" / "telemetry.jsonl")) == 1  # step 1 was written; step 2 raised
 
 
 def test_ranks_that_disagree_turn_telemetry_off_together(runs):
     _, _, returned = runs
-    assert returned[0]["disagree"] == [None, False] and returned[1]["disagree"] == [None, False]
+    # Off for good on both ranks: the second call neither collects nor hangs in a collective.
+    assert returned[0]["disagree"] == [None, None] and returned[1]["disagree"] == [None, None]
 
 
 def test_replica_weights_and_rank_share():

@@ -519,8 +519,10 @@ def test_seed_dict_batch_gives_winner_keys(tmp_path):
 
 
 def test_collects_on_batch_idx_and_counts_steps_across_epochs(tmp_path):
-    model, optimizer, tel = make_run(tmp_path)
-    tel.config.collect_every_n = tel._every = 3
+    torch.manual_seed(0)
+    model = TwoPart()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=3, strict=True))
     for epoch in range(2):
         for batch_idx in range(1, 8):
             train_step(model, optimizer)
