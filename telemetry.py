@@ -17,13 +17,16 @@ unsloth, wandb and lightning are imported lazily, where they are used.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import ctypes
 import dataclasses
 import datetime
+import errno
 import difflib
 import fnmatch
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -31,25 +34,36 @@ import math
 import mmap
 import os
 import random
+import socket
+import stat
 import statistics
 import sys
 import threading
 import time
 import typing
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+try:
+    import fcntl  # POSIX: the lock that keeps a second writer out of a run directory
+except ImportError:
+    fcntl = None
 
 SCHEMA_VERSION = 1
 RECORDS_FILE = "telemetry.jsonl"
 RUN_FILE = "run.json"
 REFERENCE_FILE = "last_checkpoint.safetensors"
 INITIAL_FILE = "initial_weights.safetensors"  # W_0 of drift, written once
+LOCK_FILE = "telemetry.lock"  # held by the one writer of a run directory
+# Names of the files telemetry keeps in output_dir (with their .rank/.spare/.tmp variants).
+_OWN_FILES = (RECORDS_FILE, RUN_FILE, LOCK_FILE, "last_checkpoint", "initial_weights")
 # Record keys that user scalars passed to on_batch_end may not take.
-_SECTION_KEYS = {"gradient_norm", "weight_delta", "learning_rates", "holdout_logits", "batch_stats",
-                 "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
+_SECTION_KEYS = {"start", "reference_step", "optimizer_step", "gradient_norm", "weight_delta", "learning_rates",
+                 "holdout_logits", "batch_stats", "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
                  "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
                  "sparse_quality", "alerts", "system", "custom", "grad_scaler"}
 _GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
@@ -65,6 +79,10 @@ PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this
 MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
 # Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
 _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound: a damaged header length never allocates more
+# Files are opened without following a planted link where the OS can say so (POSIX), and not inherited.
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 # =====================================================================================================
@@ -73,6 +91,8 @@ _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTN
 
 
 LAYER_STATS_BY = ("layer", "group", "tensor")
+# Group names that telemetry itself gives: a configured group of that name would overwrite its numbers.
+RESERVED_GROUPS = ("overall", "other", "not_in_optimizer", "all", "lora_A", "lora_B", "lora_magnitude")
 
 
 MIRRORS = ("wandb", "tensorboard")
@@ -188,10 +208,10 @@ class TelemetryConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
-        if self.collect_every_n < 1:
-            raise ValueError(f"collect_every_n: must be >= 1, got {self.collect_every_n}")
-        if self.holdout_size < 0:
-            raise ValueError(f"holdout_size: must be >= 0, got {self.holdout_size}")
+        for name, low in (("collect_every_n", 1), ("holdout_size", 0), ("alert_window", 5)):
+            if getattr(self, name) < low:
+                why = " (a median of fewer is no baseline)" if name == "alert_window" else ""
+                raise ValueError(f"{name}: must be >= {low}{why}, got {getattr(self, name)}")
         unknown = [m for m in self.mirror if m not in MIRRORS]
         if unknown:
             raise ValueError(f"mirror: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(MIRRORS)}")
@@ -203,14 +223,26 @@ class TelemetryConfig:
             if any(not math.isfinite(v) or v < 0 for v in values):
                 raise ValueError(f"{name}: thresholds must be finite and >= 0, got {values}")
             setattr(self, name, values)
-        if self.alert_window < 5:
-            raise ValueError(f"alert_window: must be >= 5 (a median of fewer is no baseline), "
-                             f"got {self.alert_window}")
-        if self.alert_spike_threshold <= 0 or self.alert_explosion_factor <= 1:
-            raise ValueError("alert_spike_threshold must be > 0 and alert_explosion_factor > 1, got "
-                             f"{self.alert_spike_threshold} and {self.alert_explosion_factor}")
+        for name, low in (("alert_spike_threshold", 0.0), ("alert_explosion_factor", 1.0)):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= low:
+                raise ValueError(f"{name}: must be a finite number > {low:g}, got {value}")
+        self._check_names()
         if self.enabled and self.output_dir is not None:
             _check_writable_dir("output_dir", self.output_dir)
+
+    def _check_names(self) -> None:
+        if self.output_dir is not None and not self.output_dir.strip():
+            raise ValueError("output_dir: must not be empty (a directory path, e.g. runs/exp1)")
+        if self.batch_label_key is not None and not self.batch_label_key:
+            raise ValueError("batch_label_key: must not be empty (null finds the label key)")
+        if any(t < 0 for t in self.holdout_token_ids or []):
+            raise ValueError(f"holdout_token_ids: token ids are >= 0, got {self.holdout_token_ids}")
+        for group, patterns in (self.groups or {}).items():
+            if group in RESERVED_GROUPS or not group:
+                raise ValueError(f"groups: {group!r} cannot name a group (reserved: {', '.join(RESERVED_GROUPS)})")
+            if not patterns or any(not p for p in patterns):
+                raise ValueError(f"groups: group {group!r} needs at least one non-empty pattern, got {patterns}")
 
     @property
     def keeps_reference(self) -> bool:
@@ -225,7 +257,7 @@ class TelemetryConfig:
         if "preset" in config_dict:  # the preset first, then every other key on top of it
             config_dict = dict(config_dict)
             preset = config_dict.pop("preset")
-            if preset not in _PRESETS:
+            if not isinstance(preset, str) or preset not in _PRESETS:
                 raise ValueError(f"preset: must be one of {', '.join(_PRESETS)}, got {preset!r}")
             config_dict = {**_PRESETS[preset], **config_dict}
         known = [f.name for f in dataclasses.fields(cls)]
@@ -248,14 +280,48 @@ class TelemetryConfig:
 
     @classmethod
     def from_yaml(cls, path: str, **overrides: Any) -> "TelemetryConfig":
-        """Read a YAML file (flat, or under a top-level `telemetry:` key); keyword arguments override it."""
-        import yaml  # lazy: the module must import with torch alone
-
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        if isinstance(data, dict) and isinstance(data.get("telemetry"), dict) and len(data) == 1:
+        """Read a YAML file (flat, or its top-level `telemetry:` section); keyword arguments override it.
+        A file that is empty, not UTF-8, not a mapping, or that repeats a key is an error naming it."""
+        data = _read_yaml(os.fspath(path))
+        if isinstance(data, dict) and isinstance(data.get("telemetry"), dict):
             data = data["telemetry"]
-        return cls.from_dict({**data, **overrides})
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of telemetry keys, got a {type(data).__name__}")
+        try:
+            return cls.from_dict({**data, **overrides})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+
+def _read_yaml(path: str) -> Any:
+    import yaml  # lazy: the module must import with torch alone
+
+    class UniqueKeys(yaml.SafeLoader):
+        """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, collections.abc.Hashable) and key in seen:
+                    raise ValueError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+        data = yaml.load(text, Loader=UniqueKeys)  # a SafeLoader: no Python objects are built
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if data is None:
+        raise ValueError(f"{path}: the file is empty; write the telemetry keys in it (see telemetry.yaml), "
+                         "or build TelemetryConfig() without a file")
+    return data
 
 
 # =====================================================================================================
@@ -1025,8 +1091,10 @@ _DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
-def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callable[[], Any]] = None) -> Any:
-    """Write [(name, tensor)] as a safetensors file, streaming from the tensors' own memory.
+def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callable[[], Any]] = None,
+                      metadata: Optional[Dict[str, str]] = None) -> Any:
+    """Write [(name, tensor)] as a safetensors file, streaming from the tensors' own memory; `metadata`
+    ({str: str}) goes in the header's __metadata__.
 
     `meanwhile()`, if given, runs while the data is written on another thread, and its result is returned:
     the file at `path` is still the old one until both are done, so it may read that. The write is the
@@ -1035,9 +1103,12 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     Atomic: the data goes to a side file that os.replace then moves over `path`, so a crash mid-write
     leaves the previous file intact. The replaced file is kept (hard link) as `path.spare` and overwritten
     in place next time: rewriting pages the page cache already holds is much faster than filling a new file.
-    No fsync: this is a cache that a power cut may lose, and fsync per collection would dominate its cost.
+    The side file is created afresh (whatever stood at its name, a planted link included, is removed, never
+    written through). No fsync: this is a cache that a power cut may lose; tensor_file_info refuses what
+    such a cut leaves half-written, and fsync per collection would dominate its cost.
     """
-    header, offset = {}, 0
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
@@ -1047,9 +1118,12 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
     size = 8 + len(blob) + offset
     spare = path + ".spare"
-    target = spare if os.path.isfile(spare) and os.path.getsize(spare) == size else path + ".tmp"
+    f = _open_spare(spare, size)
+    target = spare if f is not None else path + ".tmp"
     try:
-        with open(target, "r+b" if target == spare else "wb") as f:
+        if f is None:
+            f = os.fdopen(_create_exclusive(target), "wb")
+        with f:
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
 
@@ -1059,17 +1133,47 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                         f.write(chunk)
 
             result = _concurrently(meanwhile, write_data)[0] if meanwhile is not None else write_data()
-        if os.path.exists(path):
+        if os.path.lexists(path):
             _replace_keeping_old(target, path, spare)
         else:
             os.replace(target, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(target)
-        except OSError:
-            pass
         raise
     return result
+
+
+def _open_spare(spare: str, size: int) -> Any:
+    """The spare copy opened for rewriting in place, when it is a regular file of exactly `size` bytes."""
+    try:
+        if os.lstat(spare).st_size != size:
+            return None
+        return open_regular(spare, write=True)
+    except OSError:
+        return None
+
+
+def _create_exclusive(path: str) -> int:
+    """A new, empty file at `path`, opened for writing. What stood there (a stale side file from a crash, or
+    a planted link) is removed first and never written through; O_EXCL makes a race an error."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+
+
+def open_regular(path: str, write: bool = False) -> Any:
+    """A binary file object for `path` when it is a regular file; anything else (a FIFO, a socket, a device,
+    a directory, a symbolic link) is an OSError at once, never a hang in open() or a write elsewhere."""
+    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "r+b" if write else "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _concurrently(*calls: Callable[[], Any]) -> List[Any]:
@@ -1123,7 +1227,7 @@ def _split_evenly(chunks: List[tuple], parts: int) -> List[List[tuple]]:
 
 def _replace_keeping_old(new: str, path: str, spare: str) -> None:
     previous = path + ".prev"
-    if os.path.exists(previous):
+    if os.path.lexists(previous):
         os.remove(previous)
     os.link(path, previous)  # keeps the old inode alive: `path` itself is never missing or half-written
     os.replace(new, path)
@@ -1153,13 +1257,57 @@ def chunk_spans(flats: List[torch.Tensor]) -> List[tuple]:
     return spans
 
 
+def tensor_file_info(path: str) -> tuple:
+    """(header name -> {dtype, shape, data_offsets}, byte offset of the data section, __metadata__ dict).
+
+    Checked against the file's real size before anything is allocated or mapped: a header length within
+    the file (and MAX_HEADER_BYTES), known dtypes, sizes equal to dtype x shape, and tensor data that fills
+    the rest of the file exactly, contiguous and without overlaps. Anything else, a truncated file (what a
+    power cut can leave) included, is a ValueError that names the file.
+    """
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{path}: {size} bytes, too short for a header")
+        n = int.from_bytes(f.read(8), "little")
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{path}: a header of {n} bytes in a file of {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{path}: the header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: __metadata__ is not an object")
+    end = 0
+    for begin, stop, name in sorted(_tensor_span(path, name, meta) for name, meta in header.items()):
+        if begin != end:
+            raise ValueError(f"{path}: tensor {name!r} starts at {begin}, expected {end} (overlap or gap)")
+        end = stop
+    if 8 + n + end != size:
+        raise ValueError(f"{path}: the tensors end at byte {8 + n + end} of {size} (truncated or damaged)")
+    return header, 8 + n, metadata
+
+
+def _tensor_span(path: str, name: str, meta: Any) -> tuple:
+    try:
+        begin, end = meta["data_offsets"]
+        shape = meta["shape"]
+        itemsize = torch.empty((), dtype=_CODE_DTYPES[meta["dtype"]]).element_size()
+        ok = (all(type(v) is int and v >= 0 for v in (begin, end, *shape)) and isinstance(shape, list)
+              and end - begin == math.prod(shape) * itemsize)
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path}: the entry of tensor {name!r} is damaged")
+    return begin, end, name
+
+
 def read_tensor_header(path: str) -> tuple:
     """(header dict name -> {dtype, shape, data_offsets}, byte offset of the data section)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
+    return tensor_file_info(path)[:2]
 
 
 def stream_tensor_file(path: str, names: List[str]):
@@ -1172,11 +1320,15 @@ def stream_tensor_file(path: str, names: List[str]):
 
 
 def reference_matches(path: str, named: List[tuple]) -> bool:
-    """True when the file holds exactly these names with these shapes and dtypes."""
+    """True when the file is sound and holds exactly these names with these shapes and dtypes."""
     try:
         header, _ = read_tensor_header(path)
     except (OSError, ValueError):
         return False
+    return header_matches(header, named)
+
+
+def header_matches(header: Dict[str, Any], named: List[tuple]) -> bool:
     return len(header) == len(named) and all(
         n in header and header[n]["shape"] == list(t.shape) and header[n]["dtype"] == _DTYPE_CODES.get(t.dtype)
         for n, t in named)
@@ -1190,13 +1342,11 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
     The pages a pass touches count in the process's RSS until release(i, start, n) hands back those of
     tensor i's elements [start, start + n), so a chunked pass adds about a chunk to RSS, not the file.
     The map is private: a stray write would change this process's copy, never the file. A file shorter
-    than its header says is refused here, since reading past the end of a map kills the process.
+    than its header says is refused (tensor_file_info), since reading past the end of a map kills the process.
     """
-    header, base = read_tensor_header(path)
+    header, base = read_tensor_header(path)  # checked against the file's size: no read past the map's end
     metas = [header[n] for n in names]
-    if base + max((m["data_offsets"][1] for m in metas), default=0) > os.path.getsize(path):
-        raise ValueError(f"{path} is shorter than its header says (truncated)")
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         try:
             mapped: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError):  # a filesystem that cannot map: read it whole, correct but not lean
@@ -1512,7 +1662,10 @@ class _Warnings:
     def __call__(self, key: str, message: str) -> None:
         if key not in self.seen:
             self.seen.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            try:
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+            except Warning:  # python -W error: the loop must not see it; it still reaches the log
+                _LOGGER.warning(message)
 
 
 class _Mirrors:
@@ -1522,9 +1675,9 @@ class _Mirrors:
     JSONL line; a mirror whose package is missing is not tried again.
     """
 
-    def __init__(self, config: TelemetryConfig, warn: _Warnings):
+    def __init__(self, config: TelemetryConfig, warn: _Warnings, output_dir: str):
         self.names = list(config.mirror)
-        self.tb_dir = os.path.join(config.output_dir or ".", "tb")
+        self.tb_dir = os.path.join(output_dir, "tb")
         self.strict = config.strict
         self.warn = warn
         self.off: set = set()
@@ -1788,12 +1941,32 @@ def _lr_zero_alerts(record: Dict[str, Any]):
                 yield "lr_zero", "warning", f"group {group!r} has learning rate 0 while other groups train", group
 
 
+def resolve_output_dir(template: str) -> str:
+    """output_dir with {date} (YYYYmmdd-HHMMSS) and {host} filled in, for a directory per run."""
+    if "{" not in template:
+        return template
+    try:
+        return template.format(date=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), host=socket.gethostname())
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"output_dir: {template!r} has a placeholder other than {{date}} and {{host}} "
+                         f"({exc!r})") from None
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """The model's parameter names, shapes and dtypes, hashed: a resumed run has the same, another model not."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
 # ---- the run directory ---------------------------------------------------------------------------
 
 
 class _RunFiles:
-    """The run directory's files: telemetry.jsonl (one line per record), run.json (what the run is), and the
-    records the HF callback holds back until the Trainer has logged their step. Rank 0 alone writes.
+    """The run directory's files: telemetry.jsonl (one line per record), run.json (what the run is), the lock
+    that keeps a second writer out, and the records the HF callback holds back until the Trainer has
+    logged their step. Rank 0 alone writes records and run.json.
 
     A write that fails (full or unwritable disk) is warned about once; then telemetry stops, or, on a rank
     that other ranks wait for in collectives (lockstep), it goes on collecting and stops writing.
@@ -1808,20 +1981,37 @@ class _RunFiles:
         self.lockstep = False
         self.stopped = False  # a write failed: telemetry is off for the rest of the run
         self.skip = False  # a write failed on a lockstep rank: it keeps collecting and writes nothing
-        self.handle: Any = None
+        self.fd: Optional[int] = None  # telemetry.jsonl, opened for appending on first use
+        self.lock: Optional[Any] = None  # finalizer that closes the lock file (and so releases the lock)
         self.holding = False
         self.held: List[Dict[str, Any]] = []
         self.info: Dict[str, Any] = {}
+        self.start_index = 0  # this start's index in run.json's starts; its first record carries it
+        self.start_pending = True
+        self.resumed = False  # records of an earlier start are on disk
 
     def start(self, config: TelemetryConfig) -> int:
-        """Record this start in run.json; returns the step of the last readable record (a resume goes on)."""
+        """Take the directory (the lock), set aside what cannot be ours, record this start in run.json;
+        returns the step of the last readable record (a resume goes on counting from there)."""
         os.makedirs(self.output_dir, exist_ok=True)
+        if self.writer:
+            self._set_aside_strangers()
+            self._lock()
         step = self._last_logged_step()
+        self.resumed = step > 0
         self.info = self._load_info()
         self.info["starts"].append(datetime.datetime.now().isoformat())
+        self.start_index = len(self.info["starts"]) - 1
         self.info.update(schema=SCHEMA_VERSION, torch_version=torch.__version__, config=dataclasses.asdict(config))
         self.write_info()
         return step
+
+    def abandon(self) -> None:
+        """Take this start back out of run.json and let go of the directory (the run moves elsewhere)."""
+        if self.info.get("starts"):
+            self.info["starts"].pop()
+            self.write_info()
+        self.close()
 
     def update_info(self, **values: Any) -> None:
         self.info.update(values)
@@ -1832,9 +2022,10 @@ class _RunFiles:
             return
 
         def write(path, info):
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
+            tmp = path + ".tmp"
+            with os.fdopen(_create_exclusive(tmp), "w", encoding="utf-8") as f:
                 json.dump(info, f, indent=1, default=_json_default)
-            os.replace(path + ".tmp", path)
+            os.replace(tmp, path)
         self.write(write, self.run_path, self.info)
 
     def append(self, record: Dict[str, Any]) -> None:
@@ -1884,48 +2075,138 @@ class _RunFiles:
             return None
 
     def close(self) -> None:
-        self.release()
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
+        """Write what is held and let go of the files. Never raises for I/O: the run is over either way."""
+        try:
+            self.release()
+        except OSError as exc:  # strict, and the disk failed
+            self.warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}) while closing")
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        if self.lock is not None:
+            self.lock()  # closes the lock file: the lock is released
 
     def _append_line(self, line: str) -> None:
-        if self.handle is None:
-            self.handle = open(self.records_path, "a", encoding="utf-8")
-            if self.handle.tell() and not _ends_with_newline(self.records_path):
-                self.handle.write("\n")  # a torn last line from a crash stays on its own line
-        self.handle.write(line + "\n")
-        self.handle.flush()
+        # Unbuffered: a write that fails leaves nothing behind in a buffer for close() to trip over.
+        data = (line + "\n").encode()
+        if self.fd is None:
+            fd = os.open(self.records_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a torn last line from a crash stays on its own line
+            self.fd = fd
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def _lock(self) -> None:
+        """Hold an OS lock on telemetry.lock while this instance is open: a second writer would measure
+        each other's weights. Released by close(), by garbage collection, and by the OS at exit."""
+        if fcntl is None:  # no flock (Windows): one writer per directory is then the user's to keep
+            return
+        path = os.path.join(self.output_dir, LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RuntimeError(
+                f"output_dir {self.output_dir!r} is in use by another TrainingTelemetry (process {holder}): two "
+                "writers would measure deltas against each other's weights. close() the other one, or give "
+                "this run its own output_dir, e.g. output_dir='runs/{date}_{host}'") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.lock = weakref.finalize(self, os.close, fd)
+
+    def _set_aside_strangers(self) -> None:
+        """Anything but a regular file where telemetry keeps its files (a FIFO would hang open(), a link
+        would be written through) is renamed out of the way, with one warning that names it."""
+        moved = []
+        with os.scandir(self.output_dir) as entries:
+            for entry in entries:
+                if entry.name.startswith(_OWN_FILES) and ".aside-" not in entry.name and (
+                        entry.is_symlink() or not entry.is_file(follow_symlinks=False)):
+                    moved.append((entry.name, _keep_aside(entry.path, "aside")))
+        if moved:
+            self.warn("aside", f"telemetry: in {self.output_dir}, " + "; ".join(
+                f"{name} was not a regular file and is now {os.path.basename(new)}" for name, new in moved))
 
     def _load_info(self) -> Dict[str, Any]:
         try:
-            with open(self.run_path, encoding="utf-8") as f:
-                info = json.load(f)
+            with open_regular(self.run_path) as f:
+                info = json.loads(f.read().decode("utf-8"))
+            if not isinstance(info, dict):
+                raise ValueError(f"a JSON {type(info).__name__}, not an object")
             info.setdefault("starts", [])
+            if not isinstance(info["starts"], list) or not all(isinstance(t, str) for t in info["starts"]):
+                raise ValueError("'starts' is not a list of times")
             return info
-        except (OSError, ValueError):
+        except FileNotFoundError:
+            return {"starts": []}
+        except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            kept = None
+            if self.writer:
+                with contextlib.suppress(OSError):
+                    kept = _keep_aside(self.run_path, "damaged")
+            self.warn("run-json", f"telemetry: {self.run_path} was damaged ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]}); it is kept as {os.path.basename(kept or '?')} and a new "
+                                  "one is started")
             return {"starts": []}
 
     def _last_logged_step(self) -> int:
-        """The step of the last readable record, so a resumed run keeps counting where it stopped."""
+        """The step of the last readable record, so a resumed run keeps counting where it stopped. What
+        follows it (a torn line, garbage) is named in one warning and left in place for the analyzer."""
         try:
-            with open(self.records_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
+            with open_regular(self.records_path) as f:
+                size = os.fstat(f.fileno()).st_size
                 chunk = 1 << 16
                 while True:
                     f.seek(max(0, size - chunk))
-                    lines = f.read(min(chunk, size)).splitlines()
-                    for line in reversed(lines[1:] if size > chunk else lines):
-                        try:
-                            return int(json.loads(line)["step"])
-                        except (ValueError, KeyError, TypeError):
-                            continue
+                    lines = f.read(min(chunk, size)).splitlines(keepends=True)
+                    lines = lines[1:] if size > chunk else lines
+                    for skipped, line in enumerate(reversed(lines)):
+                        step = _record_step(line)
+                        if step is not None:
+                            self._warn_tail(skipped, line.endswith(b"\n"))
+                            return step
                     if size <= chunk:
+                        self._warn_tail(len(lines), True)
                         return 0
                     chunk *= 4
         except OSError:
             return 0
+
+    def _warn_tail(self, unreadable: int, ends_with_newline: bool) -> None:
+        if unreadable:
+            self.warn("tail", f"telemetry: {self.records_path} ends with {unreadable} line(s) that are not "
+                              "records (a crash mid-write, or damage); they are left in place and new records "
+                              "start on a line of their own")
+
+
+def _record_step(line: bytes) -> Optional[int]:
+    """The step of one complete record line, or None for anything else (torn, damaged, hostile)."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        step = json.loads(line, parse_constant=_no_constant)["step"]
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        return None
+    return step if type(step) is int and step >= 0 else None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number in strict JSON")
+
+
+def _keep_aside(path: str, why: str) -> str:
+    """Rename `path` to the first free `path.<why>-N` and return the new name (damage is kept, not lost)."""
+    n = 1
+    while os.path.lexists(f"{path}.{why}-{n}"):
+        n += 1
+    os.replace(path, f"{path}.{why}-{n}")
+    return f"{path}.{why}-{n}"
 
 
 # ---- the layout: trainable parameters in a fixed order, and the groups they belong to ---------------
@@ -2125,6 +2406,7 @@ class _Collection:
     errors: Dict[str, str] = dataclasses.field(default_factory=dict)
     layout: Optional[_Layout] = None
     changes: Optional[Dict[str, Any]] = None  # the streamed weight pass, per tensor (see streamed_weight_changes)
+    reference_step: Optional[int] = None  # the step the weight reference held when this collection read it
     previous_reference: Optional[str] = None  # the reference this collection replaced, kept for sparse quality
     deferred: List[_Deferred] = dataclasses.field(default_factory=list)
     strict_error: Optional[BaseException] = None
@@ -2534,10 +2816,12 @@ class _Gradients:
 
 class _ReferenceStore:
     """The weights on disk that changes are measured against: last_checkpoint (the previous collection),
-    initial_weights (W_0 of drift, written once, at the hook's first call) and, with sparse quality, the
-    reference before the last one, for one collection. Sharded, each rank keeps its own part's files."""
+    initial_weights (W_0 of drift, written once, at the hook's first call) and last_checkpoint's .spare,
+    the reference before it, which sparse quality reads. Each file records the step it holds, so a run
+    resumed after a crash measures from the step the reference really holds, whatever the crash point.
+    Sharded, each rank keeps its own part's files."""
 
-    def __init__(self, output_dir: str, config: TelemetryConfig, files: "_RunFiles", warn: _Warnings):
+    def __init__(self, output_dir: str, config: TelemetryConfig, files: _RunFiles, warn: _Warnings):
         self.output_dir, self.config, self.files, self.warn = output_dir, config, files, warn
         self.suffix = ".safetensors"  # set by the ranks: .rank{r}.safetensors when sharded
         self.initial_pending = config.track_update_ratio  # W_0 is kept at the first call
@@ -2550,29 +2834,37 @@ class _ReferenceStore:
     def initial(self) -> str:
         return os.path.join(self.output_dir, INITIAL_FILE.replace(".safetensors", self.suffix))
 
-    def usable(self, named: List[tuple]) -> Optional[str]:
-        """The weight reference on disk when it holds exactly these tensors (this rank's parts, if sharded)."""
-        if not os.path.exists(self.checkpoint) or self.files.skip:
-            return None
-        if reference_matches(self.checkpoint, named):
-            return self.checkpoint
-        self.warn("reference", "telemetry: the weight reference on disk does not match the trainable "
-                               "parameters (this rank's part of them, when sharded); the delta restarts here")
-        return None
+    def usable(self, named: List[tuple]) -> tuple:
+        """(path, step it holds) of the weight reference when it is sound and holds exactly these tensors
+        (this rank's parts, if sharded); (None, None) otherwise, and it is rewritten at this collection."""
+        if self.files.skip or not os.path.lexists(self.checkpoint):
+            return None, None
+        return self._sound(self.checkpoint, named, "reference", "the delta restarts here")
 
-    def initial_for(self, named: List[tuple]) -> Optional[str]:
+    def initial_for(self, named: List[tuple], step: int) -> Optional[str]:
         """The W_0 file of drift: kept while it matches the model (across resumes too), else written now."""
         path = self.initial
-        if os.path.exists(path):
-            if reference_matches(path, named):
-                return path
-            self.warn("initial", "telemetry: initial_weights.safetensors does not match the model's "
-                                 "trainable parameters; drift restarts from here")
-        self.files.write(write_tensor_file, path, named)
+        if os.path.lexists(path) and self._sound(path, named, "initial", "drift restarts from here")[0]:
+            return path
+        self.files.write(write_tensor_file, path, named, None, {"step": str(step)})
         return path if not self.files.stopped and os.path.exists(path) else None
 
-    def write(self, named: List[tuple]) -> None:
-        self.files.write(write_tensor_file, self.checkpoint, named)
+    def _sound(self, path: str, named: List[tuple], what: str, then: str) -> tuple:
+        try:
+            header, _, metadata = tensor_file_info(path)
+        except (OSError, ValueError) as exc:
+            self.warn(f"{what}-damaged", f"telemetry: {os.path.basename(path)} is damaged ({exc}); it is "
+                                         f"written again and {then}")
+            return None, None
+        if header_matches(header, named):
+            step = metadata.get("step", "")
+            return path, int(step) if step.isdigit() else None
+        self.warn(what, f"telemetry: {os.path.basename(path)} does not match the trainable parameters (this "
+                        f"rank's part of them, when sharded); {then}")
+        return None, None
+
+    def write(self, named: List[tuple], step: int) -> None:
+        self.files.write(write_tensor_file, self.checkpoint, named, None, {"step": str(step)})
 
     def measure(self, c: _Collection, layout: _Layout, ranks: Any, keep_previous: bool) -> Any:
         """The weight delta per group, from one streamed pass over the weights and their reference that also
@@ -2583,7 +2875,7 @@ class _ReferenceStore:
         cfg = self.config
         if any(hasattr(p, "ds_id") for p in layout.params):  # ZeRO-3 leaves empty placeholders in the model
             raise NotImplementedError("weight_delta does not support DeepSpeed ZeRO-3 parameters")
-        named = layout.local_named()
+        named, step = layout.local_named(), c.record["step"]
         detail = cfg.track_param_change or cfg.track_sparse_quality
         thresholds = sorted(set(cfg.param_change_thresholds) | set(cfg.sparse_quality_thresholds)) if detail else []
         rel = cfg.param_change_rel_thresholds if cfg.track_param_change else []
@@ -2596,10 +2888,12 @@ class _ReferenceStore:
                           below_rel=(len(rel), n))
 
         def local():
-            reference = self.usable(named)
-            initial = self.initial_for(named) if cfg.track_update_ratio else None
-            changes = self._advance(named, lambda: streamed_weight_changes(
-                named, reference, initial, thresholds, rel, detail), c, keep_previous and reference is not None)
+            reference, c.reference_step = self.usable(named)
+            initial = self.initial_for(named, step) if cfg.track_update_ratio else None
+            changes = self._stream_while_writing(named, step, lambda: streamed_weight_changes(
+                named, reference, initial, thresholds, rel, detail))
+            if keep_previous and reference is not None:
+                c.previous_reference = self._previous(named, step)
             rows = [changes[k] if k in changes else torch.zeros(shape) for k, shape in shapes.items()]
             return (*rows, torch.tensor([float(reference is None)]), torch.tensor([float(initial is None)]))
 
@@ -2616,33 +2910,28 @@ class _ReferenceStore:
         ops = ["max" if k == "max_abs" else "sum" for k in shapes] + ["sum", "sum"]
         return ranks.reduce(c, "weight_delta", list(shapes.values()) + [(1,), (1,)], local, finish, ops)
 
-    def _advance(self, named: List[tuple], stream: Callable[[], Dict], c: _Collection, keep_previous: bool):
-        """stream() over the old reference, and the new reference written in its place. With keep_previous
-        the old one stays, as c.previous_reference, for sparse quality to rebuild weights from."""
-        if not keep_previous:
-            return self._stream_while_writing(named, stream)
-        changes = stream()
-        previous = self.checkpoint + ".previous"
-        os.replace(self.checkpoint, previous)
+    def _previous(self, named: List[tuple], step: int) -> Optional[str]:
+        """The reference this collection replaced, which write_tensor_file keeps as .spare: it is there only
+        when the new reference was written (it holds this step), and the spare is sound and whole."""
+        spare = self.checkpoint + ".spare"
         try:
-            self.write(named)
-        finally:
-            if not self.files.stopped and reference_matches(self.checkpoint, named):
-                c.previous_reference = previous
-            else:
-                os.remove(previous)
-        return changes
+            if tensor_file_info(self.checkpoint)[2].get("step") != str(step):
+                return None  # the write failed: the spare is older than the reference
+        except (OSError, ValueError):
+            return None
+        return spare if reference_matches(spare, named) else None
 
-    def _stream_while_writing(self, named: List[tuple], stream: Callable[[], Dict[str, torch.Tensor]]) -> Dict:
+    def _stream_while_writing(self, named: List[tuple], step: int, stream: Callable[[], Dict]) -> Dict:
         """stream() (the pass over the old reference) while the new reference is written: side by side for
         large CPU models (see _pass_threads), where both are memory-bound and would leave a core idle in turn.
         The old file is replaced only after both, and a failed write (full disk) keeps stream()'s result."""
         result: List[Dict[str, torch.Tensor]] = []
         if _pass_threads([t for _, t in named]) > 1:  # large CPU models: a thread costs more than small ones save
-            self.files.write(write_tensor_file, self.checkpoint, named, lambda: result.append(stream()))
+            self.files.write(write_tensor_file, self.checkpoint, named, lambda: result.append(stream()),
+                             {"step": str(step)})
         else:
             result.append(stream())
-            self.write(named)
+            self.write(named, step)
         return result[0] if result else stream()
 
 
@@ -2866,8 +3155,8 @@ class _LoraTracker:
                                        for name, module, adapter in find_lora_modules(model)])
         return self.found[1]
 
-    def section(self, model: torch.nn.Module, layout: _Layout, reference: _ReferenceStore,
-                ranks: Any) -> Optional[Dict[str, Any]]:
+    def section(self, model: torch.nn.Module, layout: _Layout, reference: _ReferenceStore, ranks: Any,
+                step: int) -> Optional[Dict[str, Any]]:
         """Adapter norms and deltas against the reference the weight pass is about to replace."""
         found = self.entries(model, layout)
         if not found:
@@ -2884,7 +3173,7 @@ class _LoraTracker:
             stats["dora_magnitude_drift"] = relative_drift([m for _, m in mags], [self.dora_start[k] for k, _ in mags])
         if not reference.config.keeps_reference:  # no full reference is written: keep one of the adapters
             ids = {id(t) for e in found for t in (e.a, e.b, e.magnitude) if t is not None}
-            reference.write([(n, p) for n, p in zip(layout.names, layout.params) if id(p) in ids])
+            reference.write([(n, p) for n, p in zip(layout.names, layout.params) if id(p) in ids], step)
         return stats
 
     @staticmethod
@@ -2964,12 +3253,16 @@ class TrainingTelemetry:
             return
         if config.output_dir is None:
             raise ValueError("output_dir: must be set (in the YAML, or TelemetryConfig(output_dir=...))")
-        self.output_dir = config.output_dir
-        self.metrics_file = os.path.join(self.output_dir, RECORDS_FILE)
-        self.run_file = os.path.join(self.output_dir, RUN_FILE)
-        self._files = _RunFiles(self.output_dir, config, self._warn, _Mirrors(config, self._warn))
-        self._reference = _ReferenceStore(self.output_dir, config, self._files, self._warn)
-        self.step = self._files.start(config)
+        self._open(resolve_output_dir(config.output_dir))
+
+    def _open(self, output_dir: str) -> None:
+        """Take output_dir for this run: its files, its lock, its weight references."""
+        self.output_dir = output_dir
+        self.metrics_file = os.path.join(output_dir, RECORDS_FILE)
+        self.run_file = os.path.join(output_dir, RUN_FILE)
+        self._files = _RunFiles(output_dir, self.config, self._warn, _Mirrors(self.config, self._warn, output_dir))
+        self._reference = _ReferenceStore(output_dir, self.config, self._files, self._warn)
+        self.step = self._files.start(self.config)
 
     @property
     def checkpoint_file(self) -> str:
@@ -3113,6 +3406,8 @@ class TrainingTelemetry:
         started = time.perf_counter()
         c = _Collection(_record_head(self.step, batch_idx, epoch, loss, scalars), started, cfg.strict,
                         self._warn, self._ranks.lockstep)
+        if self._files.start_pending:  # the first record of this start: the analyzer's boundary
+            c.record["start"], self._files.start_pending = self._files.start_index, False
         c.layout = c.run("layout", self._layout_for, model, optimizer)
         if not self._take_part(model, c.layout):
             return None  # DDP: rank 0 collects alone; or the ranks disagree (telemetry is off)
@@ -3161,12 +3456,14 @@ class TrainingTelemetry:
         if cfg.track_gradients:
             c.add("gradient_norm", self._gradients.section, c, layout, optimizer, self.step, ranks)
         if cfg.track_lora:
-            c.add("lora", self._lora.section, model, layout, self._reference, ranks)
+            c.add("lora", self._lora.section, model, layout, self._reference, ranks, self.step)
         keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)
         if cfg.track_weight_delta:
             c.add("weight_delta", self._reference.measure, c, layout, ranks, keep_previous)
         elif cfg.keeps_reference:  # the same pass feeds update_ratio/drift/param_change: no key
             c.run("weight_delta", self._reference.measure, c, layout, ranks, keep_previous)
+        if c.reference_step is not None:  # the deltas cover the steps since this one
+            c.record["reference_step"] = c.reference_step
         if cfg.track_learning_rates and optimizer is not None:
             c.add("learning_rates", layout.learning_rates)
         if cfg.track_layer_stats:
@@ -3183,29 +3480,36 @@ class TrainingTelemetry:
             c.add("sparse_quality", self._sparse_quality, c, model, device)
 
     def _sparse_quality(self, c: _Collection, model, device) -> Optional[Dict[str, Any]]:
-        previous = c.previous_reference
-        try:
-            self._ranks.whole("sparse_quality")  # it rewrites the weights from whole references
-            if not self._holdout.batches:
-                self._warn("sparse-holdout", "telemetry: track_sparse_quality needs holdout inputs "
-                                             "(set_holdout_data); skipped")
-                return None
-            if previous is None or c.changes is None or "below" not in c.changes:
-                return None  # the first collection: no update to sparsify yet
-            return sparse_quality(c.layout, model, self._holdout, self._holdout.on(model, device), c.changes,
-                                  previous, self._reference.checkpoint, self.config, self.step)
-        finally:
-            if previous is not None:
-                with contextlib.suppress(OSError):
-                    os.remove(previous)
+        self._ranks.whole("sparse_quality")  # it rewrites the weights from whole references
+        if not self._holdout.batches:
+            self._warn("sparse-holdout", "telemetry: track_sparse_quality needs holdout inputs "
+                                         "(set_holdout_data); skipped")
+            return None
+        if c.previous_reference is None or c.changes is None or "below" not in c.changes:
+            return None  # the first collection: no update to sparsify yet
+        return sparse_quality(c.layout, model, self._holdout, self._holdout.on(model, device), c.changes,
+                              c.previous_reference, self._reference.checkpoint, self.config, self.step)
 
     # ---- the layout and the ranks ------------------------------------------------------------------
 
     def _layout_for(self, model: torch.nn.Module, optimizer: Any) -> _Layout:
         if self._layout is None or self._layout.key != _layout_key(model, optimizer):
+            fingerprint = model_fingerprint(model)
+            if self._layout is None and self._files.resumed and self._files.info.get("model") not in (None, fingerprint):
+                self._move_on()
             self._layout, partitions = build_layout(model, optimizer, self.config)
-            self._files.update_info(**layout_info(model, optimizer, self._layout, partitions))
+            self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
         return self._layout
+
+    def _move_on(self) -> None:
+        """Another model's run is in output_dir: this run goes to a directory of its own, never mixed in."""
+        old, n = self.output_dir, 2
+        while os.path.lexists(f"{old}-{n}"):
+            n += 1
+        self._files.abandon()
+        self._open(f"{old}-{n}")
+        self._warn("other-model", f"telemetry: {old} holds the run of another model (other parameter names or "
+                                  f"shapes); this run writes to {self.output_dir} instead")
 
     def _take_part(self, model: torch.nn.Module, layout: Optional[_Layout], agree: bool = True) -> bool:
         """Find how the parameters are held (once per layout and process group); True when this rank
@@ -3249,7 +3553,7 @@ class TrainingTelemetry:
         try:
             layout = self._layout_for(model, optimizer)
             if self._take_part(model, layout, agree=False):  # DDP: rank 0 alone keeps it
-                self._reference.initial_for(layout.local_named())
+                self._reference.initial_for(layout.local_named(), self.step)
         except Exception as exc:
             if self.config.strict:
                 raise
