@@ -458,7 +458,7 @@ def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
     the counts are needed to build the keys, so this is the one metric that copies to the host itself."""
     values = labels.detach().reshape(-1).cpu()
     stats: Dict[str, Any] = {"batch_size": int(labels.shape[0]) if labels.dim() else 1, "label_key": key}
-    if values.is_floating_point() and not torch.equal(values, values.round()):
+    if is_regression_target(values):
         return stats  # a regression target has no classes to balance
     uniq, counts = torch.unique(values.long(), return_counts=True)
     total = max(int(values.numel()), 1)
@@ -495,18 +495,59 @@ def find_label_key(batch: Dict[str, Any], configured: Optional[str]) -> Optional
     return next((k for k in LABEL_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
 
 
-def output_logits(outputs: Any) -> torch.Tensor:
-    """Logits from a model output: a tensor, an object with .logits (HF), or the first tuple element."""
+def output_logits(outputs: Any, output: Any = None) -> torch.Tensor:
+    """The predictions in a model's output: `output` picks them (an index, a key or attribute, or a callable
+    of the output); without it, a tensor, `.logits` (HF), or the one tensor of a dict or tuple. A dict or
+    tuple of several tensors is ambiguous (features and logits, say): a TypeError that names output=."""
+    if callable(output):
+        return output(outputs)
+    if output is not None:
+        if isinstance(output, str) and not isinstance(outputs, dict):
+            return getattr(outputs, output)
+        return outputs[output]
     if isinstance(outputs, torch.Tensor):
         return outputs
     if getattr(outputs, "logits", None) is not None:
         return outputs.logits
     if isinstance(outputs, dict) and "logits" in outputs:
         return outputs["logits"]
-    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-        return outputs[0]
-    raise TypeError(f"cannot find logits in model output of type {type(outputs).__name__}; "
-                    "pass forward= to set_holdout_data")
+    items = list(outputs.items()) if isinstance(outputs, dict) else (
+        list(enumerate(outputs)) if isinstance(outputs, (tuple, list)) else [])
+    tensors = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
+    if len(tensors) == 1:
+        return tensors[0][1]
+    if tensors:
+        shown = ", ".join(f"{k!r}: {list(v.shape)}" for k, v in tensors[:6])
+        raise TypeError(f"the model returns {len(tensors)} tensors ({shown}); pass output= to set_holdout_data "
+                        "to say which holds the predictions (an index, a key, or a callable of the output)")
+    raise TypeError(f"cannot find predictions in model output of type {type(outputs).__name__}; pass output= "
+                    "(or forward=) to set_holdout_data")
+
+
+def is_regression_target(labels: torch.Tensor) -> bool:
+    """Float targets other than 0/1 are regression targets; integer labels and float 0/1 (BCE) are classes.
+    Host values: called once per holdout, and by label_balance, which copies its labels anyway."""
+    values = labels.detach().cpu()
+    return values.is_floating_point() and not bool(((values == 0) | (values == 1)).all())
+
+
+def regression_holdout(predictions: torch.Tensor, targets: torch.Tensor) -> Dict[str, Any]:
+    """Per-example squared and absolute error, averaged over the outputs, and their means over the holdout
+    (loss is the MSE). Predictions [N] or [N, k] against targets of the same size. No host sync."""
+    n = predictions.shape[0]
+    pred = predictions.detach().float().reshape(n, -1)
+    target = targets.detach().to(pred.device).float().reshape(n, -1)
+    if pred.shape != target.shape:
+        raise ValueError(f"regression holdout: predictions of shape {list(predictions.shape)} against targets "
+                         f"of shape {list(targets.shape)}; pass output= or forward= to set_holdout_data")
+    err = pred - target
+    squared, absolute = err.square().mean(1), err.abs().mean(1)
+    out: Dict[str, Any] = {"kind": "regression", "outputs": pred.shape[1]}
+    if pred.shape[1] <= MAX_LOGGED_CLASSES:
+        shown = (lambda t: t.reshape(-1)) if pred.shape[1] == 1 else (lambda t: t)
+        out.update(predictions=shown(pred), targets=shown(target))
+    out.update(squared_error=squared, abs_error=absolute, loss=squared.mean(), mae=absolute.mean())
+    return out
 
 
 # ---- batches: examples along dim 0 of every tensor leaf --------------------------------------------
@@ -1742,6 +1783,8 @@ class _GradScaler:
         self.skipped: Any = 0
 
     def set(self, scaler: Any) -> None:
+        if scaler is not None and not scaler.is_enabled():  # GradScaler(enabled=use_amp) without AMP: nothing to read
+            scaler = None
         self.scaler = scaler
         current = scaler._get_scale_async() if scaler is not None else None  # None before the first scale()
         self.seen = current.clone() if current is not None else getattr(scaler, "_init_scale", None)
@@ -1761,6 +1804,13 @@ class _GradScaler:
         if self.seen is not None:
             self.skipped = self.skipped + (scale < self.seen).long()
         self.seen = scale.clone()
+
+    def backed_off(self) -> bool:
+        """Whether update() backed the scale off since the previous call, i.e. scaler.step() skipped the
+        optimizer step for inf/NaN gradients: still a step of the loop, to record. One host sync, asked only
+        on calls that saw no optimizer step."""
+        scale = self.scaler._get_scale_async() if self.scaler is not None else None
+        return scale is not None and self.seen is not None and bool(scale < self.seen)
 
     def scale_of(self, optimizer: Any, pre_step: bool) -> Optional[torch.Tensor]:
         """The factor the gradients are still multiplied by, or None.
@@ -2222,7 +2272,9 @@ class _Layout:
     membership: torch.Tensor  # [groups, params] 0/1 float32; rows [:first_partition] partition "overall"
     first_partition: int
     lr_names: List[str]
-    group_lrs: List[Callable[[], Any]]  # reads a group's current lr (0.0 for parameters no optimizer holds)
+    group_lrs: List[Callable[[], Any]]  # reads a group's current lr
+    frozen: Dict[str, List[tuple]] = dataclasses.field(default_factory=dict)  # group -> (name, frozen tensor)
+    outside: List[tuple] = dataclasses.field(default_factory=list)  # trainable, but in no optimizer group
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
 
     def nulls(self) -> Dict[str, Any]:
@@ -2282,46 +2334,54 @@ def _layout_key(model: torch.nn.Module, optimizer: Any) -> tuple:
 def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig) -> tuple:
     """(_Layout, partitions): the trainable parameters and their groups. The first partition is the config's
     name patterns, else the optimizer's param groups (by their "name"), else one group "all"; with LoRA a
-    second partition (lora_A, lora_B, ...) comes beside it. Each group reads its learning rate live."""
+    second partition (lora_A, lora_B, ...) comes beside it. Each group reads its learning rate live.
+    Trainable tensors that no optimizer group holds are left out (their gradients only ever accumulate)
+    and listed in layout.outside; frozen tensors are counted per group in layout.frozen."""
     opt_groups = getattr(optimizer, "param_groups", None) or []
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    names, params = [n for n, _ in named], [p for _, p in named]
     opt_index = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"]}
     opt_names = [str(g.get("name") or f"group_{gi}") for gi, g in enumerate(opt_groups)]
+    every = list(model.named_parameters())
+    held = [(n, p) for n, p in every if not opt_groups or id(p) in opt_index]
+    held_ids = {id(p) for _, p in held}
+    named = [(n, p) for n, p in held if p.requires_grad]
+    frozen = [(n, p) for n, p in held if not p.requires_grad]
+    names, params = [n for n, _ in named], [p for _, p in named]
 
     def reader(gi):
         return (lambda: opt_groups[gi]["lr"]) if gi is not None else (lambda: 0.0)
 
-    def majority(idx):  # the optimizer group that holds most of these tensors
-        held = [opt_index.get(id(params[i])) for i in idx]
-        return reader(max(set(held), key=held.count) if held else None)
+    def majority(tensors):  # the optimizer group that holds most of these tensors
+        gis = [opt_index.get(id(p)) for p in tensors]
+        return reader(max(set(gis), key=gis.count) if gis else None)
 
     readers: Dict[str, Callable] = {}
     if config.groups:
-        first = _partition_by_patterns(names, config.groups)
-        readers.update((g, majority(idx)) for g, idx in first.items())
+        first = _partition_by_patterns([n for n, _ in every], names, config.groups)
+        frozen_in = _partition_by_patterns([n for n, _ in every], [n for n, _ in frozen], config.groups)
+        for g in dict.fromkeys([*first, *frozen_in]):
+            members = [params[i] for i in first.get(g, [])] or [frozen[i][1] for i in frozen_in.get(g, [])]
+            readers[g] = majority(members)
         # The optimizer's groups too: the record shows both.
-        readers.update((n, reader(gi)) for gi, n in enumerate(opt_names) if n not in first)
+        readers.update((n, reader(gi)) for gi, n in enumerate(opt_names) if n not in readers)
     elif opt_groups:
-        by_opt: Dict[str, List[int]] = {n: [] for n in opt_names}
+        first, frozen_in = ({n: [] for n in opt_names} for _ in range(2))
         for i, p in enumerate(params):
-            gi = opt_index.get(id(p))
-            by_opt.setdefault(opt_names[gi] if gi is not None else "not_in_optimizer", []).append(i)
-        # A group with no trainable parameter (the HF Trainer's empty no-decay group) has a learning
-        # rate but no gradient or delta: a 0 there would read as a frozen group.
-        first = {n: idx for n, idx in by_opt.items() if idx}
+            first[opt_names[opt_index[id(p)]]].append(i)
+        for i, (_, p) in enumerate(frozen):
+            frozen_in[opt_names[opt_index[id(p)]]].append(i)
+        # A group with no trainable parameter (the HF Trainer's empty no-decay group, a frozen backbone) has
+        # a learning rate but no gradient or delta: a 0 there would read as a group that stopped moving.
+        first = {n: idx for n, idx in first.items() if idx}
         readers.update((n, reader(gi)) for gi, n in enumerate(opt_names))
-        if by_opt.get("not_in_optimizer"):
-            readers["not_in_optimizer"] = reader(None)
     else:
-        first = {"all": list(range(len(params)))}
+        first, frozen_in = {"all": list(range(len(params)))}, {"all": list(range(len(frozen)))}
         readers["all"] = reader(None)
     partitions = [first]
     if config.track_lora and not config.groups:  # LoRA groups, beside the optimizer's
         lora = _lora_partition(model, params, first)
         if lora:
             partitions.append(lora)
-            readers.update((g, majority(idx)) for g, idx in lora.items())
+            readers.update((g, majority([params[i] for i in idx])) for g, idx in lora.items())
     group_names = [g for part in partitions for g in part]
     membership = torch.zeros(len(group_names), len(params))
     for row, idx in enumerate(idx for part in partitions for idx in part.values()):
@@ -2330,17 +2390,26 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
     lr_names = group_names + [n for n in readers if n not in group_names]
     layout = _Layout(key=_layout_key(model, optimizer), names=names, params=params, group_names=group_names,
                      membership=membership, first_partition=len(first), lr_names=lr_names,
-                     group_lrs=[readers[g] for g in lr_names])
+                     group_lrs=[readers[g] for g in lr_names],
+                     frozen={g: [frozen[i] for i in idx] for g, idx in frozen_in.items() if idx},
+                     outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
     return layout, partitions
 
 
-def _partition_by_patterns(names: List[str], groups: Dict[str, List[str]]) -> Dict[str, List[int]]:
-    """Each tensor in the first group with a matching pattern; the others in "other" (absent when empty)."""
+def _partition_by_patterns(every: List[str], names: List[str], groups: Dict[str, List[str]]) -> Dict[str, List[int]]:
+    """Each of `names` in the first group with a matching pattern; the others in "other" (absent when empty).
+    A pattern that matches no parameter of the model at all (`every`) is a typo: a ValueError naming it."""
+    for group, patterns in groups.items():
+        for pattern in patterns:
+            if not any(param_matches(name, pattern) for name in every):
+                shown = ", ".join(every[:3]) + (", ..." if len(every) > 3 else "")
+                raise ValueError(f"groups: pattern {pattern!r} of group {group!r} matches no parameter of the "
+                                 f"model (its names look like {shown})")
     chosen: Dict[str, List[int]] = {g: [] for g in groups}
     for i, name in enumerate(names):
         group = next((g for g, pats in groups.items() if any(param_matches(name, p) for p in pats)), "other")
         chosen.setdefault(group, []).append(i)
-    return {g: idx for g, idx in chosen.items() if idx or g != "other"}
+    return {g: idx for g, idx in chosen.items() if idx}
 
 
 def _lora_partition(model, params, first: Dict[str, List[int]]) -> Dict[str, List[int]]:
@@ -2368,16 +2437,27 @@ def _lora_partition(model, params, first: Dict[str, List[int]]) -> Dict[str, Lis
 
 
 def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partitions: List[dict]) -> Dict[str, Any]:
-    """What run.json says about the parameters and groups."""
+    """What run.json says about the parameters and groups: per group its trainable tensors and, where some
+    of its parameters are frozen (requires_grad=False), those too; trainable tensors outside the optimizer."""
+    def count(tensors):
+        return {"tensors": len(tensors), "elements": sum(p.numel() for _, p in tensors),
+                "names": [n for n, _ in tensors]}
+
     groups = {}
     for part in partitions:
         for g, idx in part.items():
-            groups[g] = {"tensors": len(idx), "elements": sum(layout.params[i].numel() for i in idx),
-                         "names": [layout.names[i] for i in idx]}
-    return dict(parameters={"total": sum(p.numel() for p in model.parameters()),
+            groups[g] = count([(layout.names[i], layout.params[i]) for i in idx])
+    for g, tensors in layout.frozen.items():
+        frozen = count(tensors)
+        groups.setdefault(g, count([])).update(
+            frozen_tensors=frozen["tensors"], frozen_elements=frozen["elements"], frozen_names=frozen["names"])
+    info = dict(parameters={"total": sum(p.numel() for p in model.parameters()),
                             "trainable": sum(p.numel() for p in layout.params)},
                 groups=groups, optimizer=type(optimizer).__name__ if optimizer is not None else None,
                 world_size=1, rank=0)
+    if layout.outside:
+        info["not_in_optimizer"] = count(layout.outside)
+    return info
 
 
 # ---- one collection ----------------------------------------------------------------------------------
@@ -2770,6 +2850,71 @@ def _ranks_for(model: torch.nn.Module, params: List[torch.Tensor], rank: int, wo
 # ---- the weights: gradient norms, and the reference on disk that deltas are measured against ---------
 
 
+def _register_step_hook(hook: Callable) -> Any:
+    from torch.optim.optimizer import register_optimizer_step_post_hook  # a submodule `import torch` leaves out
+
+    return register_optimizer_step_post_hook(hook)
+
+
+class _OptimizerSteps:
+    """Counts optimizer.step() calls through torch's global step post-hook, so that on_batch_end can tell a
+    call right after an optimizer step from a micro-batch of gradient accumulation. Wrappers (accelerate's,
+    Lightning's) are looked through by their .optimizer / ._optimizer; the hook goes with this object."""
+
+    def __init__(self):
+        self.counts: Any = weakref.WeakKeyDictionary()
+        self.total = 0  # steps of any optimizer: the count for one that cannot be looked through
+        me = weakref.ref(self)
+
+        def hook(optimizer, args, kwargs):
+            counter = me()
+            if counter is not None:
+                counter.counts[optimizer] = counter.counts.get(optimizer, 0) + 1
+                counter.total += 1
+        weakref.finalize(self, _register_step_hook(hook).remove)
+
+    def count(self, optimizer: Any) -> int:
+        """Steps of this optimizer since telemetry started."""
+        seen = set()
+        while optimizer is not None and id(optimizer) not in seen:
+            seen.add(id(optimizer))
+            with contextlib.suppress(TypeError):  # not weak-referenceable: not an optimizer the hook saw
+                if optimizer in self.counts:
+                    return self.counts[optimizer]
+            optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        return self.total if self.counts else 0
+
+
+class _Schedule:
+    """When to collect: only right after an optimizer step (a call without one is a micro-batch of gradient
+    accumulation, whose gradients are partial), at the first step at or after each batch_idx that is a
+    multiple of collect_every_n. Without an optimizer to watch, every call is a step."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.steps = _OptimizerSteps()
+        self.seen: Dict[int, int] = {}  # optimizer id -> its step count at the previous call
+        self.due = False
+        self.calls_without_step = 0
+
+    def advance(self, optimizer: Any, batch_idx: int) -> int:
+        """Optimizer steps since the previous call: 0 for a micro-batch."""
+        self.due = self.due or batch_idx % self.every == 0
+        if optimizer is None:
+            return 1
+        count = self.steps.count(optimizer)
+        taken, self.seen[id(optimizer)] = count - self.seen.get(id(optimizer), 0), count
+        self.calls_without_step = 0 if taken else self.calls_without_step + 1
+        return max(taken, 0) or (1 if taken < 0 else 0)
+
+    def will_collect(self, batch_idx: int) -> bool:
+        return self.due or batch_idx % self.every == 0
+
+    def take_due(self) -> bool:
+        due, self.due = self.due, False
+        return due
+
+
 class _Gradients:
     """Gradient norms per tensor, read by on_batch_end after the step or by capture_gradients before it
     (then clipping has not touched them yet), unscaled, for the collection of that step."""
@@ -2968,9 +3113,106 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
     return {"batch_size": batch_size_of(batch)}
 
 
+def holdout_batches(data: Any, limit: int, label_key: Optional[str]) -> List[Any]:
+    """Batches of at most `limit` examples in all, from any of: a DataLoader or another iterable of batches,
+    a map-style Dataset (items are examples: tuples or dicts, collated here), a list of examples, one batch
+    (a dict of tensors, or (inputs..., labels) tensors), a bare tensor (with labels=)."""
+    if isinstance(data, torch.Tensor):
+        return [data[:limit]]
+    if isinstance(data, dict) or (isinstance(data, (tuple, list)) and data and isinstance(data[0], torch.Tensor)):
+        return _first_examples([data], limit)
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, (tuple, list, str, bytes)):
+        return [_collate([data[i] for i in range(min(len(data), limit))])] if len(data) and limit else []
+    try:
+        items = iter(data)
+    except TypeError:
+        raise ValueError(f"set_holdout_data: cannot read holdout examples from a {type(data).__name__}; pass a "
+                         "DataLoader, a Dataset, a list of examples or batches, or (inputs, labels)") from None
+    first = next(items, None)
+    if first is None or not limit:
+        return []
+    if _is_example(first, label_key):
+        return [_collate([first] + list(itertools.islice(items, limit - 1)))]
+    return _first_examples(itertools.chain([first], items), limit)
+
+
+def _first_examples(batches: Any, limit: int) -> List[Any]:
+    kept, have = [], 0
+    for batch in batches:
+        if have >= limit:
+            break
+        n = _holdout_batch_size(batch)
+        take = min(n, limit - have)
+        kept.append(batch if take == n else slice_batch(batch, take))
+        have += take
+    return kept
+
+
+def _holdout_batch_size(batch: Any) -> int:
+    try:
+        return batch_size_of(batch)
+    except TypeError:
+        raise ValueError(f"set_holdout_data: a holdout batch ({type(batch).__name__}) has no tensor with a batch "
+                         "dimension; pass batches of tensors, or forward= and labels= to say how to use "
+                         "them") from None
+
+
+def _is_example(item: Any, label_key: Optional[str]) -> bool:
+    """One example rather than a batch: its label is a number (a Python one, or a 0-dim tensor), or its
+    token ids are one sequence."""
+    if isinstance(item, dict):
+        ids = item.get("input_ids")
+        if ids is not None:
+            return not (isinstance(ids, torch.Tensor) and ids.dim() >= 2)
+        keys = [label_key] if label_key is not None else LABEL_KEYS
+        label = next((item[k] for k in keys if k in item), None)
+    elif isinstance(item, (tuple, list)) and item:
+        label = item[-1]
+    else:
+        return False
+    return isinstance(label, (int, float)) or (isinstance(label, torch.Tensor) and label.dim() == 0)
+
+
+def _collate(examples: List[Any]) -> Any:
+    """Examples stacked into one batch; Python lists of numbers (tokenized text) become tensors first."""
+    def tensors(x):
+        if isinstance(x, dict):
+            return {k: tensors(v) for k, v in x.items()}
+        if isinstance(x, list) and x and all(isinstance(v, (int, float)) for v in x):
+            return torch.tensor(x)
+        if isinstance(x, (tuple, list)):
+            return type(x)(tensors(v) for v in x)
+        return x
+    try:
+        return torch.utils.data.default_collate([tensors(e) for e in examples])
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"set_holdout_data: the holdout examples cannot be stacked into a batch ({exc}); pass "
+                         "batches instead (a DataLoader with a collate_fn that pads, for instance)") from None
+
+
+def holdout_labels(batch: Any, label_key: Optional[str], labels: Optional[Callable]) -> tuple:
+    """(labels of a holdout batch, the dict key they came from): labels(batch) when given; else the batch's
+    label key, or a causal LM's own input_ids; else the last element of an (inputs..., labels) batch."""
+    if labels is not None:
+        return labels(batch), None
+    if isinstance(batch, dict):
+        key = find_label_key(batch, label_key)
+        if key is not None:
+            return batch[key], key
+        if isinstance(batch.get("input_ids"), torch.Tensor):  # a causal LM's labels are its inputs
+            return batch["input_ids"], None
+        tried = [label_key] if label_key is not None else list(LABEL_KEYS)
+        raise ValueError(f"the holdout batch has no label key (tried {', '.join(tried)}; it has "
+                         f"{', '.join(map(str, batch))}): set batch_label_key, or pass labels= to set_holdout_data")
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], torch.Tensor):
+        return batch[-1], None
+    raise ValueError(f"a holdout batch of type {type(batch).__name__} holds no labels: pass (inputs..., labels) "
+                     "batches, or labels= (and forward=) to set_holdout_data")
+
+
 class _Holdout:
-    """The fixed holdout set: up to holdout_size examples, how to run the model on them and find their
-    labels, and the batches already moved to each device."""
+    """The fixed holdout set: up to holdout_size examples, how to run the model on them, where its
+    predictions and labels are, whether it is regression, and the batches already moved to each device."""
 
     def __init__(self, config: TelemetryConfig):
         self.config = config
@@ -2978,23 +3220,30 @@ class _Holdout:
         self.on_device: Dict[str, List[Any]] = {}
         self.forward: Optional[Callable] = None
         self.labels: Optional[Callable] = None
+        self.output: Any = None
+        self.regression = False
 
-    def set(self, batches: Any, forward: Optional[Callable], labels: Optional[Callable]) -> int:
-        """Keep the first holdout_size examples; returns how many were kept."""
-        if isinstance(batches, dict) or (isinstance(batches, (tuple, list)) and batches
-                                         and isinstance(batches[0], torch.Tensor)):
-            batches = [batches]
-        kept, have = [], 0
+    def set(self, data: Any, forward: Optional[Callable], labels: Optional[Callable], output: Any) -> int:
+        """Keep the first holdout_size examples, refusing here what could not be used later; returns how
+        many were kept."""
+        batches = holdout_batches(data, self.config.holdout_size, self.config.batch_label_key)
+        found = []
         for batch in batches:
-            if have >= self.config.holdout_size:
-                break
-            n = batch_size_of(batch)
-            take = min(n, self.config.holdout_size - have)
-            kept.append(batch if take == n else slice_batch(batch, take))
-            have += take
-        self.batches, self.on_device = kept, {}
-        self.forward, self.labels = forward, labels
-        return have
+            n = _holdout_batch_size(batch)
+            got = holdout_labels(batch, self.config.batch_label_key, labels)[0]
+            if not isinstance(got, torch.Tensor) or not got.dim() or got.shape[0] != n:
+                raise ValueError(f"set_holdout_data: the labels of a batch of {n} examples are "
+                                 f"{type(got).__name__} {list(getattr(got, 'shape', []))}; pass labels= returning "
+                                 "a tensor with one row per example")
+            if forward is None and isinstance(batch, (tuple, list)) and not all(
+                    isinstance(x, torch.Tensor) for x in batch[:-1]):
+                raise ValueError("set_holdout_data: (inputs..., labels) batches run model(*inputs), and these "
+                                 "inputs are not all tensors; pass forward=lambda model, batch: ...")
+            found.append(got)
+        self.batches, self.on_device = batches, {}
+        self.forward, self.labels, self.output = forward, labels, output
+        self.regression = any(is_regression_target(t) for t in found)
+        return sum(_holdout_batch_size(b) for b in batches)
 
     def sizes(self) -> List[int]:
         return [batch_size_of(b) for b in self.batches]
@@ -3007,35 +3256,27 @@ class _Holdout:
         return batches
 
     def forward_one(self, model: torch.nn.Module, batch: Any) -> tuple:
-        """(model outputs, labels) of one holdout batch."""
-        label_key = None
-        if isinstance(batch, dict):
-            label_key = find_label_key(batch, self.config.batch_label_key)
-        if self.labels is not None:
-            labels = self.labels(batch)
-        elif isinstance(batch, dict):
-            # A causal LM batch may carry only input_ids: its labels are the inputs themselves.
-            labels = batch[label_key] if label_key is not None else batch.get("input_ids")
-            if labels is None:
-                raise KeyError(f"holdout batch has no label key (tried {', '.join(LABEL_KEYS)}); "
-                               "set batch_label_key or pass labels= to set_holdout_data")
-        else:
-            labels = batch[-1]
+        """(predictions, labels) of one holdout batch."""
+        labels, label_key = holdout_labels(batch, self.config.batch_label_key, self.labels)
         if self.forward is not None:
-            return self.forward(model, batch), labels
-        if isinstance(batch, dict):
+            outputs = self.forward(model, batch)
+        elif isinstance(batch, dict):
             # Labels are never passed: fused-loss models (unsloth) return no logits when given labels.
-            return model(**{k: v for k, v in batch.items() if k != label_key}), labels
-        return model(*batch[:-1]), labels
+            outputs = model(**{k: v for k, v in batch.items() if k != label_key})
+        elif isinstance(batch, torch.Tensor):
+            outputs = model(batch)
+        else:
+            outputs = model(*batch[:-1])
+        return output_logits(outputs, self.output), labels
 
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
-        """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models)."""
+        """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models,
+        squared and absolute errors for regression)."""
         model = _unwrap_ddp(model)  # DDP's forward can broadcast buffers: a collective rank 0 must not start alone
 
         def score(batch):
-            outputs, labels = self.forward_one(model, batch)
-            logits = output_logits(outputs)
-            if logits.dim() == 3:  # reduce each batch at once: [batch, seq, vocab] is large
+            logits, labels = self.forward_one(model, batch)
+            if logits.dim() == 3 and not self.regression:  # reduce each batch at once: [batch, seq, vocab] is large
                 return language_model_holdout(logits, labels, self.config.holdout_token_ids)
             return logits, labels
 
@@ -3046,7 +3287,10 @@ class _Holdout:
         lm = [p for p in parts if isinstance(p, dict)]
         if lm:
             return merge_lm_holdout(lm)
-        return classification_holdout(torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(-1) for p in parts]))
+        outputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(p[1].shape[0], -1) for p in parts])
+        if self.regression:
+            return regression_holdout(outputs, targets)
+        return classification_holdout(outputs, targets.reshape(-1))
 
 
 def sparse_quality(layout: _Layout, model: torch.nn.Module, holdout: _Holdout, batches: List[Any],
@@ -3066,8 +3310,8 @@ def sparse_quality(layout: _Layout, model: torch.nn.Module, holdout: _Holdout, b
         try:
             full, valid = [], []
             for batch in batches:
-                outputs, labels = holdout.forward_one(model, batch)
-                logits = output_logits(outputs).detach()
+                logits, labels = holdout.forward_one(model, batch)
+                logits = logits.detach()
                 full.append(logits)
                 valid.append(_valid_positions(logits, labels))
             for k, t in enumerate(config.sparse_quality_thresholds):
@@ -3114,8 +3358,8 @@ def _apply_sparse(layout: _Layout, previous: str, current: str, threshold: Optio
 def _agreement(model, holdout: _Holdout, batches, full, valid) -> Dict[str, Any]:
     sums = None
     for batch, reference, ok in zip(batches, full, valid):
-        outputs, _ = holdout.forward_one(model, batch)
-        part = logit_agreement(reference, output_logits(outputs), ok)
+        logits, _ = holdout.forward_one(model, batch)
+        part = logit_agreement(reference, logits, ok)
         sums = part if sums is None else {k: sums[k] + part[k] for k in part}
     positions = sums["positions"].clamp(min=1)
     return {"kl": (sums["kl"] / positions).clamp(min=0), "cosine": sums["cosine"] / positions,
@@ -3251,6 +3495,7 @@ class TrainingTelemetry:
         self._reference: Optional[_ReferenceStore] = None
         if not config.enabled:
             return
+        self._schedule = _Schedule(config.collect_every_n)  # when to collect: right after optimizer steps
         if config.output_dir is None:
             raise ValueError("output_dir: must be set (in the YAML, or TelemetryConfig(output_dir=...))")
         self._open(resolve_output_dir(config.output_dir))
@@ -3276,13 +3521,17 @@ class TrainingTelemetry:
     # ---- public API --------------------------------------------------------------------------------
 
     def set_holdout_data(self, batches: Any, forward: Optional[Callable] = None,
-                         labels: Optional[Callable] = None) -> None:
-        """Keep the first `holdout_size` examples of `batches` (an iterable of batches, or one batch).
+                         labels: Optional[Callable] = None, output: Any = None) -> None:
+        """Keep the first `holdout_size` examples of the holdout set, to score the model on at each collection.
 
-        A (inputs..., labels) tuple runs model(*inputs); a dict runs model(**batch without the label key).
-        `forward(model, batch) -> outputs` and `labels(batch) -> tensor` override this.
+        `batches`: a DataLoader or any iterable of batches, a map-style Dataset or a list of examples
+        (collated here), or one batch. An (inputs..., labels) batch runs model(*inputs); a dict runs
+        model(**batch without the label key). `forward(model, batch) -> outputs` and `labels(batch) -> tensor`
+        override this, and `output` says where the predictions are in the outputs (an index, a key, or a
+        callable) when the model returns several tensors. Float targets (other than 0/1) are regression.
+        What cannot be used is refused here, with a ValueError that says what to pass.
         """
-        examples = self._holdout.set(batches, forward, labels)
+        examples = self._holdout.set(batches, forward, labels, output)
         if self._active():
             self._files.update_info(holdout={"examples": examples})
 
@@ -3293,13 +3542,27 @@ class TrainingTelemetry:
 
         Under torch.distributed call it on every rank, with the same batch_idx: rank 0 alone writes.
         """
-        self.step += 1
+        if not self.config.enabled:
+            return None
+        if device is not None and not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; the arguments are (model, "
+                            "optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars): pass the "
+                            "batch as batch=")
+        taken = self._schedule.advance(optimizer, batch_idx) or int(self._scaler.backed_off())
         self._scaler.track()
+        if not taken:  # no optimizer step since the last call: a micro-batch of gradient accumulation
+            if self._schedule.calls_without_step == 10 * self.config.collect_every_n + 100:
+                self._warn("no-step", f"telemetry: on_batch_end was called {self._schedule.calls_without_step} "
+                                      "times without an optimizer.step() in between. It collects only right after "
+                                      "a step (micro-batches of gradient accumulation are skipped): call it after "
+                                      "optimizer.step(), with that optimizer.")
+            return None
+        self.step += taken
         if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_ddp(model), optimizer)
-        if not self._active() or batch_idx % self.config.collect_every_n:
+        if not self._schedule.take_due() or not self._active():
             if self.step == self._silent_warn_step:
-                self._warn("silent", f"telemetry: nothing collected in {self.step} calls: batch_idx was never a "
+                self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx was never a "
                                      f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
                                      "than that restart batch_idx before it gets there; lower collect_every_n.")
             return None
@@ -3332,7 +3595,7 @@ class TrainingTelemetry:
         makes for this batch_idx. For code that runs before the step: Lightning's on_before_optimizer_step,
         or between DeepSpeed's engine.backward() and engine.step(). Still-scaled gradients (no
         scaler.unscale_ yet) are divided by the scale. True when it read them."""
-        if not self._active() or batch_idx % self.config.collect_every_n or not self.config.track_gradients:
+        if not self._active() or not self._schedule.will_collect(batch_idx) or not self.config.track_gradients:
             return False
         try:
             # For the next on_batch_end call only (it counts self.step up by one).
@@ -3499,6 +3762,12 @@ class TrainingTelemetry:
                 self._move_on()
             self._layout, partitions = build_layout(model, optimizer, self.config)
             self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
+            if self._layout.outside:
+                names = [n for n, _ in self._layout.outside]
+                self._warn("outside", f"telemetry: {len(names)} trainable tensor(s) are in no optimizer group "
+                                      f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): nothing updates "
+                                      "them and their gradients grow with every backward(). They are left out of the "
+                                      "records (run.json lists them): add them to the optimizer, or freeze them.")
         return self._layout
 
     def _move_on(self) -> None:

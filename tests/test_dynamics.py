@@ -238,12 +238,12 @@ def test_zero_weights_give_a_null_ratio_not_an_infinity(tmp_path):
     with torch.no_grad():
         model.unused.weight.zero_()
         model.unused.bias.zero_()
-    opt = torch.optim.SGD([{"params": [p for n, p in model.named_parameters() if "unused" not in n],
-                            "name": "body"}], lr=0.1)
+    opt = torch.optim.SGD([{"params": [p for n, p in model.named_parameters() if "unused" not in n], "name": "body"},
+                           {"params": list(model.unused.parameters()), "lr": 0.0, "name": "still"}], lr=0.1)
     tel = TrainingTelemetry(config(tmp_path, groups={"body": ["embed", "blocks", "head"], "zero": ["unused"]}))
     for step in range(2):
         backward(model, step)
-        opt.step()  # the unused layer is in no optimizer: it stays exactly 0
+        opt.step()  # the unused layer's learning rate is 0: it stays exactly 0
         rec = tel.on_batch_end(model, opt, step, 0)
         opt.zero_grad()
     assert rec["weight_norm"]["zero"] == 0.0 and rec["update_ratio"]["zero"] is None
@@ -606,7 +606,9 @@ def test_on_alert_callback_sees_each_new_alert_and_can_stop_training(tmp_path):
         raise Stop(alert["code"])
 
     tel2 = TrainingTelemetry(config(tmp_path / "two", strict=False), on_alert=stop)
+    opt.step()
     tel2.on_batch_end(model, opt, 0, 0, loss=1.0)
+    opt.step()
     with pytest.raises(Stop):  # the user's callback is not swallowed by the hook's error guard
         tel2.on_batch_end(model, opt, 1, 0, loss=float("nan"))
 
@@ -697,6 +699,7 @@ def test_add_metric_results_context_and_failure_isolation(tmp_path):
     assert contexts[-1]["batch"] is batch and float(contexts[-1]["loss"]) == 0.5
     strict = TrainingTelemetry(config(tmp_path / "strict"))
     strict.add_metric("bad", lambda m, o, c: 1 / 0)
+    opt.step()
     with pytest.raises(ZeroDivisionError):
         strict.on_batch_end(model, opt, 0, 0)
     with pytest.raises(ValueError):

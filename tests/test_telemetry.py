@@ -162,6 +162,7 @@ def test_half_precision_gradients_are_normed_in_float32(tmp_path, pass_threads):
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
     for p in model.parameters():
         p.grad = (torch.randn_like(p, dtype=torch.float32) * 300).to(torch.bfloat16)
+    optimizer.step()  # lr 0: the gradients stay as set
     rec = tel.on_batch_end(model, optimizer, 0, 0)
     expect = torch.nn.utils.get_total_norm([p.grad.float() for p in model.parameters()]).item()
     assert rec["gradient_norm"]["overall"] == pytest.approx(expect, rel=1e-6)
@@ -255,11 +256,13 @@ def test_bf16_delta_is_computed_in_float32(tmp_path):
     model = nn.Linear(256, 256).to(torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    optimizer.step()  # no gradients: the weights move only as set below
     tel.on_batch_end(model, optimizer, 0, 0)
     kept = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
+    optimizer.step()
     rec = tel.on_batch_end(model, optimizer, 0, 0)
     expect = math.sqrt(sum((p.detach().double() - k.double()).pow(2).sum().item()
                            for p, k in zip(model.parameters(), kept)))
@@ -360,9 +363,9 @@ def test_resume_appends_and_uses_the_reference_on_disk(tmp_path, pass_threads):
         tel.on_batch_end(model, optimizer, 0, 0)
     tel.close()
     kept = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train_step(model, optimizer)
     again = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=1,
                                               strict=True))
+    train_step(model, optimizer)
     rec = again.on_batch_end(model, optimizer, 0, 1)
     expect = math.sqrt(sum((p.detach() - kept[n]).pow(2).sum().item() for n, p in model.named_parameters()))
     assert rec["weight_delta"]["overall"] == pytest.approx(expect, rel=1e-5)
@@ -408,15 +411,25 @@ def test_learning_rates_are_the_current_ones_after_the_scheduler(tmp_path):
         assert rec["learning_rates"]["overall"] == pytest.approx(max(expected))
 
 
-def test_unnamed_groups_are_group_i_and_unoptimized_params_are_visible(tmp_path):
+def test_unnamed_groups_are_group_i_and_unoptimized_params_are_reported_not_summed(tmp_path):
     model = TwoPart()
     optimizer = torch.optim.SGD([{"params": model.head.parameters(), "lr": 0.3}], lr=0.1)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
-    train_step(model, optimizer)
-    rec = tel.on_batch_end(model, optimizer, 0, 0)
-    assert rec["learning_rates"] == {"overall": 0.3, "group_0": 0.3, "not_in_optimizer": 0.0}
-    assert rec["gradient_norm"]["not_in_optimizer"] == pytest.approx(
-        torch.nn.utils.get_total_norm([p.grad for p in model.backbone.parameters()]).item(), rel=1e-6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            train_step(model, optimizer)
+            rec = tel.on_batch_end(model, optimizer, 0, 0)
+    assert rec["learning_rates"] == {"overall": 0.3, "group_0": 0.3}
+    # The backbone's gradients (nothing zeroes them: train_step zeroes only the optimizer's) stay out of the
+    # overall norm, which is the head's alone.
+    assert set(rec["gradient_norm"]) == {"overall", "group_0"}
+    assert rec["gradient_norm"]["overall"] == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in model.head.parameters()]).item(), rel=1e-6)
+    outside = json.loads((tmp_path / "run.json").read_text())["not_in_optimizer"]
+    assert outside["names"] == [n for n, _ in model.backbone.named_parameters(prefix="backbone")]
+    assert outside["elements"] == sum(p.numel() for p in model.backbone.parameters())
+    assert len([w for w in caught if "in no optimizer group" in str(w.message)]) == 1
 
 
 # ---- holdout --------------------------------------------------------------------------------------
@@ -451,6 +464,7 @@ def test_holdout_with_custom_forward_for_siamese_batches(tmp_path):
                                             holdout_size=6))
     batch = {"img1": torch.randn(6, 256), "img2": torch.randn(6, 256), "winner": torch.tensor([0, 1] * 3)}
     tel.set_holdout_data([batch], forward=lambda m, b: m(b["img1"], b["img2"]), labels=lambda b: b["winner"])
+    optimizer.step()
     rec = tel.on_batch_end(model, optimizer, 0, 0)["holdout_logits"]
     model.eval()
     with torch.no_grad():
@@ -459,6 +473,7 @@ def test_holdout_with_custom_forward_for_siamese_batches(tmp_path):
     # the default dict path (model(**batch without the label)) gives the same answer
     tel2 = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "b"), collect_every_n=1, strict=True))
     tel2.set_holdout_data(batch)
+    optimizer.step()
     assert tel2.on_batch_end(model, optimizer, 0, 0)["holdout_logits"]["predictions"] == expect
 
 
@@ -511,7 +526,8 @@ def test_seed_dict_batch_gives_winner_keys(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
     batch = {"img1": torch.randn(8, 4), "img2": torch.randn(8, 4), "winner": torch.tensor([1, 1, 1, 0] * 2)}
-    stats = tel.on_batch_end(model, optimizer, 0, 0, None, batch)["batch_stats"]  # seed's positional call
+    optimizer.step()
+    stats = tel.on_batch_end(model, optimizer, 0, 0, None, batch)["batch_stats"]  # the positional call
     assert stats["winner_0_pct"] == 25.0 and stats["winner_1_pct"] == 75.0 and stats["batch_size"] == 8
 
 
@@ -575,6 +591,7 @@ def test_metric_errors_are_recorded_and_warned_once_or_raised_when_strict(tmp_pa
     strict = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "strict"), collect_every_n=1,
                                                strict=True))
     strict.set_holdout_data([(torch.randn(2, 8), torch.tensor([0, 1]))], forward=broken_forward)
+    train_step(model, optimizer)
     with pytest.raises(RuntimeError, match="holdout exploded"):
         strict.on_batch_end(model, optimizer, 0, 0)
 
