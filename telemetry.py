@@ -2511,6 +2511,9 @@ class _Collection:
             self.record[section] = value
 
 
+_RECORD_HEAD = ("schema", "step", "batch_idx", "epoch", "timestamp", "loss")
+
+
 def _record_head(step: int, batch_idx: int, epoch: int, loss: Any, scalars: Dict[str, Any]) -> Dict[str, Any]:
     record: Dict[str, Any] = {"schema": SCHEMA_VERSION, "step": step, "batch_idx": batch_idx, "epoch": epoch,
                               "timestamp": datetime.datetime.now().isoformat()}
@@ -3961,7 +3964,8 @@ def lightning_callback_class() -> type:
         - the record is made in on_train_batch_end: the weights are updated (the delta includes this step)
           and every group's lr is the one this step used;
         - batch_idx is Lightning's, per epoch: collect_every_n counts batches. With accumulate_grad_batches
-          > 1, a collected batch that ends no optimizer step reads the partly accumulated gradients;
+          > 1, only batches that end an optimizer step are collected (whole gradients);
+        - the scalars logged with self.log (trainer.callback_metrics: train accuracy, say) go with the loss;
         - 16-mixed precision's GradScaler is picked up in on_fit_start (the grad_scaler section).
         Under DDP the callback runs on every rank and rank 0 writes; under FSDP2 (ModelParallelStrategy)
         every rank takes part, as on_batch_end requires.
@@ -3986,7 +3990,20 @@ def lightning_callback_class() -> type:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             self.telemetry.on_batch_end(pl_module, self._optimizer(trainer), batch_idx, trainer.current_epoch,
                                         device=pl_module.device, batch=batch,
-                                        loss=loss if isinstance(loss, torch.Tensor) else None)
+                                        loss=loss if isinstance(loss, torch.Tensor) else None,
+                                        **self._logged(trainer))
+
+        @staticmethod
+        def _logged(trainer):
+            """What self.log recorded (train accuracy, say), as scalars beside the loss."""
+            out = {}
+            for key, value in trainer.callback_metrics.items():
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    value = value.detach().reshape(())
+                if isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool) and \
+                        key not in _RECORD_HEAD and key not in _SECTION_KEYS:
+                    out[str(key)] = value
+            return out
 
         def on_fit_end(self, trainer, pl_module):
             self.telemetry.close()

@@ -26,15 +26,19 @@ class Tiny(pl.LightningModule):
         super().__init__()
         self.body = torch.nn.Linear(5, 4)
         self.head = torch.nn.Linear(4, 3)
-        self.norms, self.losses, self.weights = [], [], []
+        self.norms, self.losses, self.weights, self.accuracies = [], [], [], []
 
     def forward(self, x):
         return self.head(torch.tanh(self.body(x)))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = torch.nn.functional.cross_entropy(self(x), y)
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
         self.losses.append(loss.item())
+        accuracy = (logits.argmax(-1) == y).float().mean()
+        self.accuracies.append(accuracy.item())
+        self.log("train_acc", accuracy, on_step=True, on_epoch=False)
         return loss
 
     def on_before_optimizer_step(self, optimizer):
@@ -96,3 +100,19 @@ def test_lightning_16_mixed_records_the_scaler_and_unscaled_norms(tmp_path):
     # No step overflowed (the scale never backed off from its initial 2**16), and the record says so.
     assert scaler.get_scale() == 2.0 ** 16
     assert [r["grad_scaler"] for r in records] == [{"scale": 2.0 ** 16, "skipped_steps": 0}] * 3
+
+
+def test_accumulated_batches_are_recorded_only_at_optimizer_steps(tmp_path):
+    # 6 batches, 2 per optimizer step: steps end at batch_idx 1, 3, 5, and Lightning's own gradient norm
+    # (taken in on_before_optimizer_step, once per step) is the whole accumulated gradient's.
+    module, records, _ = fit(tmp_path, accumulate_grad_batches=2)
+    assert [r["batch_idx"] for r in records] == [1, 3, 5] and [r["step"] for r in records] == [1, 2, 3]
+    assert len(module.norms) == 3
+    for record, norm in zip(records, module.norms):
+        assert math.isclose(record["gradient_norm"]["overall"], norm, rel_tol=1e-6)
+
+
+def test_what_self_log_records_reaches_the_record(tmp_path):
+    module, records, _ = fit(tmp_path)
+    for record in records:
+        assert math.isclose(record["train_acc"], module.accuracies[record["batch_idx"]], rel_tol=1e-6)

@@ -1,0 +1,367 @@
+"""Real training loops, not only the example's: every form of data, output and loop a user's code gives is
+either recorded right (checked against a manual eval() pass, a float64 sum or the gradient saved at the
+step) or refused at the call where the mistake is made, with a message that says what to pass.
+
+Data: scikit-learn's bundled digits (8x8 images, 10 classes) and diabetes (regression) datasets.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
+
+datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn is a dev extra")
+
+
+def digits():
+    data = datasets.load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    return x, torch.tensor(data.target, dtype=torch.long)
+
+
+def mlp(out=10):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, out))
+
+
+def read(run):
+    with open(os.path.join(run, "telemetry.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def manual_eval(model, x, y):
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    model.train()
+    return logits.argmax(-1).tolist(), (logits.argmax(-1) == y).double().mean().item(), \
+        nn.functional.cross_entropy(logits.double(), y).item()
+
+
+def train_steps(model, optimizer, x, y, steps=3, batch=32):
+    for i in range(steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[i * batch:(i + 1) * batch]), y[i * batch:(i + 1) * batch]).backward()
+        optimizer.step()
+
+
+# ---- the holdout: every form it comes in ------------------------------------------------------------
+
+
+def holdout_forms(x, y):
+    pairs = torch.utils.data.TensorDataset(x, y)
+    return {
+        "DataLoader": torch.utils.data.DataLoader(pairs, batch_size=16),
+        "TensorDataset": pairs,
+        "list of (x, y) examples": [(x[i], y[i]) for i in range(len(y))],
+        "list of (x, int) examples": [(x[i], int(y[i])) for i in range(len(y))],
+        "list of batches": [(x[i:i + 20], y[i:i + 20]) for i in range(0, len(y), 20)],
+        "one (inputs, labels) batch": (x, y),
+        "dict of tensors": {"pixels": x, "label": y},
+        "list of per-example dicts": [{"pixels": x[i], "label": int(y[i])} for i in range(len(y))],
+    }
+
+
+@pytest.mark.parametrize("form", list(holdout_forms(torch.zeros(2, 64), torch.zeros(2)).keys()))
+def test_every_holdout_form_scores_like_a_manual_eval(tmp_path, form):
+    x, y = digits()
+    hx, hy = x[-120:], y[-120:]
+    model = mlp()
+
+    class DictModel(nn.Module):  # dict batches run model(**batch without the label key)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixels):
+            return self.inner(pixels)
+
+    net = DictModel(model) if "dict" in form else model
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True,
+                                            holdout_size=50))
+    tel.set_holdout_data(holdout_forms(hx, hy)[form])
+    train_steps(net, optimizer, x, y, steps=1)
+    rec = tel.on_batch_end(net, optimizer, 0, 0)["holdout_logits"]
+    tel.close()
+    predictions, accuracy, loss = manual_eval(model, hx[:50], hy[:50])
+    assert rec["predictions"] == predictions and rec["labels"] == hy[:50].tolist()
+    assert rec["accuracy"] == pytest.approx(accuracy, rel=1e-7) and rec["loss"] == pytest.approx(loss, rel=1e-5)
+    assert json.loads((tmp_path / "run.json").read_text())["holdout"]["examples"] == 50
+
+
+def test_unusable_holdouts_are_refused_at_set_holdout_data(tmp_path):
+    x, y = digits()
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    with pytest.raises(ValueError, match="labels="):
+        tel.set_holdout_data(x[:50])  # a bare tensor: no labels
+    with pytest.raises(ValueError, match="batch_label_key, or pass labels="):
+        tel.set_holdout_data({"pixels": x[:50], "digit": y[:50]})  # a label key nobody could guess
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        tel.set_holdout_data([{"input_ids": list(range(n)), "labels": list(range(n))} for n in (5, 7)])
+    with pytest.raises(ValueError, match="forward="):
+        tel.set_holdout_data([("a caption", y[:4])])
+    with pytest.raises(ValueError, match="labels="):
+        tel.set_holdout_data([(x[:4], y[:3])])  # one label short
+    tel.set_holdout_data(x[:50], forward=lambda m, b: m(b), labels=lambda b: y[:50])  # said how: accepted
+    tel.close()
+
+
+def test_configured_label_key_is_the_only_one_tried_and_named(tmp_path):
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, batch_label_key="target"))
+    with pytest.raises(ValueError) as refused:
+        tel.set_holdout_data({"pixels": x[:8], "label": y[:8]})
+    assert "tried target;" in str(refused.value) and "winner" not in str(refused.value)
+    tel.close()
+
+
+def test_shipped_yaml_finds_the_label_of_dict_and_tuple_batches(tmp_path):
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name, batch in (("dict", {"pixels": x[:64], "label": y[:64]}), ("tuple", (x[:64], y[:64]))):
+        tel = TrainingTelemetry(TelemetryConfig.from_yaml(os.path.join(ROOT, "telemetry.yaml"),
+                                                          output_dir=str(tmp_path / name), collect_every_n=1))
+        train_steps(model, optimizer, x, y, steps=1)
+        stats = tel.on_batch_end(model, optimizer, 0, 0, batch=batch)["batch_stats"]
+        tel.close()
+        counts = torch.bincount(y[:64], minlength=10).tolist()
+        assert stats["label_key"] == "label" and stats["batch_size"] == 64
+        assert [stats[f"label_{k}_pct"] for k in range(10)] == pytest.approx([100 * c / 64 for c in counts])
+
+
+# ---- model outputs and task kinds --------------------------------------------------------------------
+
+
+class FeaturesAndLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(64, 48), nn.ReLU())
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x):
+        features = self.body(x)
+        return features, self.head(features)
+
+
+def test_a_tuple_of_tensors_needs_output_and_then_scores_right(tmp_path):
+    x, y = digits()
+    model = FeaturesAndLogits()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guessed = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "guess"), collect_every_n=1))
+    guessed.set_holdout_data((x[-50:], y[-50:]))
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[:64])[1], y[:64]).backward()
+        optimizer.step()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            rec = guessed.on_batch_end(model, optimizer, 0, 0)
+    guessed.close()
+    # Never a silent guess: no holdout numbers, and an error that names output=.
+    assert "holdout_logits" not in rec and "output=" in rec["errors"]["holdout_logits"]
+    told = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "told"), collect_every_n=1, strict=True))
+    told.set_holdout_data((x[-50:], y[-50:]), output=1)
+    optimizer.step()
+    rec = told.on_batch_end(model, optimizer, 0, 0)["holdout_logits"]
+    told.close()
+    model.eval()
+    with torch.no_grad():
+        logits = model(x[-50:])[1]
+    assert rec["num_classes"] == 10 and rec["predictions"] == logits.argmax(-1).tolist()
+    assert rec["accuracy"] == pytest.approx((logits.argmax(-1) == y[-50:]).double().mean().item())
+
+
+def test_regression_is_recorded_as_regression(tmp_path):
+    data = datasets.load_diabetes()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    t = torch.tensor(data.target, dtype=torch.float32)
+    t = (t - t.mean()) / t.std()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    tel.set_holdout_data((x[-50:], t[-50:]))
+    for i in range(5):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[i * 32:(i + 1) * 32]).squeeze(-1), t[i * 32:(i + 1) * 32]).backward()
+        optimizer.step()
+        rec = tel.on_batch_end(model, optimizer, i, 0, batch=(x[:32], t[:32]))
+    tel.close()
+    model.eval()
+    with torch.no_grad():
+        pred = model(x[-50:]).squeeze(-1).double()
+    h = rec["holdout_logits"]
+    assert h["kind"] == "regression" and h["outputs"] == 1 and "accuracy" not in h and "num_classes" not in h
+    assert h["loss"] == pytest.approx(float((pred - t[-50:].double()).square().mean()), rel=1e-5)
+    assert h["mae"] == pytest.approx(float((pred - t[-50:].double()).abs().mean()), rel=1e-5)
+    assert h["squared_error"] == pytest.approx((pred - t[-50:].double()).square().tolist(), rel=1e-4, abs=1e-7)
+    # No classes in a regression batch: its balance is the batch size only.
+    assert rec["batch_stats"] == {"batch_size": 32, "label_key": "label"}
+
+
+# ---- optimizer steps, accumulation, parameters, arguments --------------------------------------------
+
+
+def test_gradient_accumulation_records_only_whole_gradients(tmp_path):
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=4, strict=True,
+                                            alerts=False, track_system=False))
+    accumulate, norms = 4, {}
+    for batch_idx in range(1, 45):  # the README's one-liner, called at every micro-batch
+        part = slice(batch_idx * 8, batch_idx * 8 + 8)
+        (nn.functional.cross_entropy(model(x[part]), y[part]) / accumulate).backward()
+        if batch_idx % accumulate == 0:
+            norms[batch_idx] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+            optimizer.step()
+        tel.on_batch_end(model, optimizer, batch_idx, 0)
+        if batch_idx % accumulate == 0:
+            optimizer.zero_grad()
+    tel.close()
+    records = read(tmp_path)
+    # One record per optimizer step whose batch_idx is a multiple of 4: all of them here, and never a
+    # micro-batch; `step` counts optimizer steps, batch_idx stays the loop's.
+    assert [r["batch_idx"] for r in records] == sorted(norms)
+    assert [r["step"] for r in records] == list(range(1, len(norms) + 1))
+    for r in records:
+        assert r["gradient_norm"]["overall"] == pytest.approx(norms[r["batch_idx"]], rel=1e-6)
+
+
+def test_a_batch_in_the_device_slot_is_a_type_error_naming_the_order(tmp_path):
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    train_steps(model, optimizer, x, y, steps=1)
+    with pytest.raises(TypeError, match=r"device=None, batch=None.*pass the batch as batch="):
+        tel.on_batch_end(model, optimizer, 0, 0, (x[:32], y[:32]))
+    tel.close()
+
+
+def test_disabled_grad_scaler_and_disabled_telemetry_are_quiet(tmp_path):
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # the usual enabled=use_amp, without AMP
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "on"), collect_every_n=1, strict=True))
+    tel.set_grad_scaler(scaler)
+    optimizer.zero_grad()
+    scaler.scale(nn.functional.cross_entropy(model(x[:32]), y[:32])).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+    tel.close()
+    assert "grad_scaler" not in rec and rec["gradient_norm"]["overall"] > 0
+    off = TrainingTelemetry(TelemetryConfig(enabled=False, output_dir=str(tmp_path / "off"), collect_every_n=5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(200):
+            optimizer.step()
+            assert off.on_batch_end(model, optimizer, 3, 0) is None
+    assert not caught and not (tmp_path / "off").exists()
+
+
+def test_group_pattern_that_matches_nothing_is_named(tmp_path):
+    x, y = digits()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(64, 32), "head": nn.Linear(32, 10)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    strict = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "strict"), collect_every_n=1, strict=True,
+                                               groups={"body": ["body"], "head": ["heads.*"]}))
+    optimizer.step()
+    with pytest.raises(ValueError, match=r"pattern 'heads\.\*' of group 'head' matches no parameter"):
+        strict.on_batch_end(model, optimizer, 0, 0)
+    strict.close()
+    with pytest.raises(ValueError, match="groups: 'overall' cannot name a group"):
+        TelemetryConfig(groups={"overall": ["head"]})
+    with pytest.raises(ValueError, match="groups: group 'head' needs at least one"):
+        TelemetryConfig(groups={"head": []})
+
+
+# ---- restarts --------------------------------------------------------------------------------------
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target)
+    torch.manual_seed(0)
+    hidden = int(sys.argv[2]) if len(sys.argv) > 2 else 32
+    model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=sys.argv[1], collect_every_n=5))
+    telemetry.set_holdout_data(torch.utils.data.TensorDataset(x[-200:], y[-200:]))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:-200], y[:-200]), batch_size=32,
+                                         shuffle=True, generator=torch.Generator().manual_seed(0))
+    for epoch in range(2):
+        for batch_idx, (xb, yb) in enumerate(loader):
+            logits = model(xb)
+            loss = nn.functional.cross_entropy(logits, yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            telemetry.on_batch_end(model, optimizer, batch_idx, epoch, batch=(xb, yb), loss=loss,
+                                   train_acc=(logits.argmax(-1) == yb).float().mean())
+    telemetry.close()
+    print(telemetry.output_dir)
+""")
+
+
+def run_user_script(project, *args):
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=project, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_telemetry_py_copied_alone_into_a_project_and_run_twice(tmp_path):
+    """As the README tells a user: telemetry.py alone next to a training script; then the script is run
+    again on the same output_dir (a restart), and once with another model (its own directory)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(os.path.join(ROOT, "telemetry.py"), project)
+    (project / "train.py").write_text(SCRIPT)
+    run = str(project / "runs" / "exp1")
+    run_user_script(project, run)
+    first = read(run)
+    run_user_script(project, run)
+    records = read(run)
+    # The second start continues the step count, and its first record says it is a start.
+    assert [r.get("start") for r in records] == [0] + [None] * (len(first) - 1) + [1] + [None] * (len(first) - 1)
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records) and len(set(r["step"] for r in records)) == len(records)
+    assert len(json.loads(open(os.path.join(run, "run.json")).read())["starts"]) == 2
+    other = run_user_script(project, run, "48")
+    assert other.stdout.strip().endswith("exp1-2") and "holds the run of another model" in other.stderr
+    assert len(read(run)) == len(records) and read(run + "-2")[0]["start"] == 0
+
+
+def test_auto_named_run_directories(tmp_path):
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "runs" / "{date}_{host}")))
+    assert os.path.isdir(tel.output_dir) and "{" not in tel.output_dir and tel.output_dir.startswith(str(tmp_path))
+    tel.close()
+    with pytest.raises(ValueError, match="output_dir: .*placeholder"):
+        TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "{user}")))
