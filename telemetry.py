@@ -1670,6 +1670,17 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
 
 
+@contextlib.contextmanager
+def _rng_kept():
+    """Whatever runs inside may draw random numbers (dropout, a user's metric): the torch, CUDA, Python and
+    NumPy generators are put back as they were, so the training draws exactly what it would have."""
+    rng = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(rng)
+
+
 def _rss_mb() -> Optional[float]:
     """Resident set size of this process in MiB: /proc/self/statm on Linux, else psutil when installed."""
     try:
@@ -2243,7 +2254,7 @@ def _record_step(line: bytes) -> Optional[int]:
         step = json.loads(line, parse_constant=_no_constant)["step"]
     except (ValueError, KeyError, TypeError, IndexError, RecursionError):
         return None
-    return step if type(step) is int and step >= 0 else None
+    return step if type(step) is int and 0 <= step < 2 ** 63 else None
 
 
 def _no_constant(name: str) -> Any:
@@ -2548,7 +2559,8 @@ def _warn_about_gradients(record: Dict[str, Any], warn: _Warnings) -> None:
 
 
 def custom_metric_values(fn: Callable, model, optimizer, context) -> Dict[str, Any]:
-    values = fn(model, optimizer, context)
+    with _rng_kept():
+        values = fn(model, optimizer, context)
     if not isinstance(values, dict):
         raise TypeError(f"returned a {type(values).__name__}, expected a dict of numbers")
     out = {}
@@ -3091,15 +3103,14 @@ def _evaluating(model: torch.nn.Module):
     """model.eval() under no_grad; afterwards every module's mode and the RNG states are as they were, so an
     evaluation inside the training loop leaves the training exactly as it would have been."""
     modes = [(m, m.training) for m in model.modules()]
-    rng = _rng_state()
     try:
-        model.eval()
-        with torch.no_grad():
-            yield
+        with _rng_kept():
+            model.eval()
+            with torch.no_grad():
+                yield
     finally:
         for module, mode in modes:
             module.training = mode
-        _set_rng_state(rng)
 
 
 def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
