@@ -104,7 +104,7 @@ def test_from_yaml_reads_the_shipped_file_and_kwargs_override(tmp_path):
     cfg = TelemetryConfig.from_yaml(os.path.join(ROOT, "telemetry.yaml"), output_dir=str(tmp_path),
                                     collect_every_n=7)
     assert cfg.collect_every_n == 7 and cfg.output_dir == str(tmp_path)
-    assert cfg.batch_label_key == "winner"  # from the file
+    assert cfg.batch_label_key is None and cfg.alert_window == 50  # from the file: no dataset-specific label key
     flat = tmp_path / "flat.yaml"
     flat.write_text("collect_every_n: 3\ncollect_every_nn: 4\n")
     with pytest.raises(ValueError, match="did you mean collect_every_n"):
