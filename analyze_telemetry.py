@@ -295,15 +295,31 @@ def _num(v) -> float:
 _PLAIN_NUMBER_TYPES = {float, int, type(None)}
 
 
+def _grown(run: Run, key, extend):
+    """run.cache[key], brought up to date with the records added since it was made.
+
+    extend(previous value or None, start) returns the value over all records, given the one over
+    run.records[:start]; --watch reads a run a few lines at a time, so each cached view grows instead
+    of being rebuilt from the first record."""
+    entry = run.cache.get(key)
+    if entry is None or entry[0] != len(run.records):
+        done, old = entry or (0, None)
+        entry = (len(run.records), extend(old, done))
+        run.cache[key] = entry
+    return entry[1]
+
+
+def _concat(old, new):
+    return new if old is None else np.concatenate([old, new])
+
+
 def column(run: Run, key) -> np.ndarray:
     """Values at a dotted path (or a tuple of keys, for keys that hold dots such as layer names), one
     per record, NaN where absent/null. Cached, and grown incrementally as --watch reads more."""
-    cached = run.cache.get(("col", key))
-    n = len(run.records)
-    if cached is not None and len(cached) == n:
-        return cached
-    start = 0 if cached is None else len(cached)
-    recs = run.records[start:]
+    return _grown(run, ("col", key), lambda old, start: _concat(old, _column_values(run.records[start:], key)))
+
+
+def _column_values(recs: list, key) -> np.ndarray:
     parts = list(key) if isinstance(key, tuple) else key.split(".")
     # The one- and two-level paths cover nearly every lookup; spelled out they are several times faster.
     if len(parts) == 1:
@@ -320,40 +336,29 @@ def column(run: Run, key) -> np.ndarray:
     try:
         if not set(map(type, vals)) <= _PLAIN_NUMBER_TYPES:
             raise TypeError
-        new = np.array(vals, dtype=float).reshape(len(vals))   # None -> nan
+        return np.array(vals, dtype=float).reshape(len(vals))   # None -> nan
     except (TypeError, ValueError):
-        new = np.fromiter((_num(v) for v in vals), dtype=float, count=len(vals))
-    arr = new if cached is None else np.concatenate([cached, new])
-    run.cache[("col", key)] = arr
-    return arr
+        return np.fromiter((_num(v) for v in vals), dtype=float, count=len(vals))
 
 
 def present(run: Run, section: str) -> np.ndarray:
     """Boolean mask of records that hold `section` as a dict."""
-    cached = run.cache.get(("present", section))
-    if cached is not None and len(cached) == len(run.records):
-        return cached
-    start = 0 if cached is None else len(cached)
-    new = np.array([isinstance(r.get(section), dict) for r in run.records[start:]], dtype=bool)
-    arr = new if cached is None else np.concatenate([cached, new])
-    run.cache[("present", section)] = arr
-    return arr
+    return _grown(run, ("present", section), lambda old, start: _concat(
+        old, np.array([isinstance(r.get(section), dict) for r in run.records[start:]], dtype=bool)))
 
 
 def nonfinite_at(run: Run, path: str) -> np.ndarray:
     """Boolean mask of records whose `nonfinite` list names `path` (the value is NaN/Inf, not absent)."""
-    cached = run.cache.get("nonfinite")
-    if cached is None or cached[0] != len(run.records):
-        index = {}
-        for i, r in enumerate(run.records):
+    def extend(index, start):
+        index = {} if index is None else index
+        for i, r in enumerate(run.records[start:], start):
             nf = r.get("nonfinite")
             if isinstance(nf, list):
                 for p in nf:
                     index.setdefault(str(p), []).append(i)
-        cached = (len(run.records), index)
-        run.cache["nonfinite"] = cached
+        return index
     mask = np.zeros(len(run.records), dtype=bool)
-    mask[cached[1].get(path, [])] = True
+    mask[_grown(run, "nonfinite", extend).get(path, [])] = True
     return mask
 
 
@@ -363,26 +368,23 @@ def steps(run: Run) -> np.ndarray:
 
 def section_keys(run: Run, section: str, skip_overall: bool = True) -> list:
     """Keys seen in a dict section across records, in first-seen order ('overall' left out)."""
-    key = ("keys", section)
-    cached = run.cache.get(key)
-    if cached is not None and cached[0] == len(run.records):
-        return [k for k in cached[1] if not (skip_overall and k == "overall")]
-    seen = dict.fromkeys(cached[1]) if cached else {}
-    parts = section.split(".")
-    recs = run.records[cached[0] if cached else 0:]
-    if len(parts) == 1:
-        dicts = [r.get(section) for r in recs]
-    elif len(parts) == 2:
-        a, b = parts
-        dicts = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
-    else:
-        dicts = [_get(r, parts) for r in recs]
-    # Records mostly share one key layout: collect the distinct layouts (in first-seen order) and
-    # merge those, instead of visiting every key of every record.
-    for layout in dict.fromkeys(tuple(d) for d in dicts if type(d) is dict):
-        seen.update(dict.fromkeys(layout))
-    run.cache[key] = (len(run.records), list(seen))
-    return [k for k in seen if not (skip_overall and k == "overall")]
+    def extend(seen, start):
+        seen = dict.fromkeys(seen or ())
+        parts = section.split(".")
+        recs = run.records[start:]
+        if len(parts) == 1:
+            dicts = [r.get(section) for r in recs]
+        elif len(parts) == 2:
+            a, b = parts
+            dicts = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
+        else:
+            dicts = [_get(r, parts) for r in recs]
+        # Records mostly share one key layout: collect the distinct layouts (in first-seen order) and
+        # merge those, instead of visiting every key of every record.
+        for layout in dict.fromkeys(tuple(d) for d in dicts if type(d) is dict):
+            seen.update(dict.fromkeys(layout))
+        return list(seen)
+    return [k for k in _grown(run, ("keys", section), extend) if not (skip_overall and k == "overall")]
 
 
 def has_values(run: Run, key: str) -> bool:
@@ -392,9 +394,10 @@ def has_values(run: Run, key: str) -> bool:
 def holdout_data(run: Run):
     """Holdout evaluations as arrays, or None. `correct` is examples x collections (bool) for
     classification; for language models it holds per-example token accuracy."""
-    cached = run.cache.get("holdout")
-    if cached is not None and cached[0] == len(run.records):
-        return cached[1]
+    return _grown(run, "holdout", lambda old, start: _holdout(run))
+
+
+def _holdout(run: Run):
     rows = [(r["step"], h) for r in run.records if isinstance(h := r.get("holdout_logits"), dict)]
     data = None
     if rows:
@@ -452,7 +455,6 @@ def holdout_data(run: Run):
             "predictions_last": [rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
             "raw": [h for _, h in rows],
         }
-    run.cache["holdout"] = (len(run.records), data)
     return data
 
 
