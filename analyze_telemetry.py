@@ -391,71 +391,93 @@ def has_values(run: Run, key: str) -> bool:
     return bool(np.isfinite(column(run, key)).any())
 
 
-def holdout_data(run: Run):
-    """Holdout evaluations as arrays, or None. `correct` is examples x collections (bool) for
-    classification; for language models it holds per-example token accuracy."""
+@dataclass
+class Holdout:
+    """A run's holdout evaluations as arrays (those of its most common kind)."""
+    kind: str                     # "classification" or "lm"
+    steps: np.ndarray             # step of each evaluation
+    accuracy: np.ndarray          # per evaluation, NaN where absent
+    loss: np.ndarray
+    n: int                        # examples per evaluation
+    num_classes: int | None
+    labels: np.ndarray | None     # labels of the last evaluation that has per-example data
+    matrix_steps: np.ndarray      # the steps of the columns of `correct`
+    correct: np.ndarray | None    # examples x evaluations: right/wrong, or LM per-example token accuracy
+    predictions_last: list        # predictions of the last (up to) three evaluations with per-example data
+    raw: list                     # each evaluation's holdout_logits dict
+
+
+def holdout_data(run: Run) -> Holdout | None:
+    """The run's holdout evaluations, or None when no record has one."""
     return _grown(run, "holdout", lambda old, start: _holdout(run))
 
 
-def _holdout(run: Run):
+def _holdout(run: Run) -> Holdout | None:
     rows = [(r["step"], h) for r in run.records if isinstance(h := r.get("holdout_logits"), dict)]
-    data = None
-    if rows:
-        kinds = [h.get("kind") or ("lm" if "nll" in h else "classification") for _, h in rows]
-        kind = max(set(kinds), key=kinds.count)
-        rows = [row for row, k in zip(rows, kinds) if k == kind]
-        # One array conversion for all evaluations, not one per record: this is the slow part on big runs.
+    if not rows:
+        return None
+    kinds = [h.get("kind") or ("lm" if "nll" in h else "classification") for _, h in rows]
+    kind = max(set(kinds), key=kinds.count)
+    rows = [row for row, k in zip(rows, kinds) if k == kind]
+    n, keep, correct = _holdout_matrix(rows, kind)
+    num_classes, labels = _holdout_classes(rows, keep) if kind == "classification" else (None, None)
+    return Holdout(
+        kind=kind,
+        steps=np.array([s for s, _ in rows], dtype=float),
+        accuracy=np.array([_num(h.get("accuracy")) for _, h in rows]),
+        loss=np.array([_num(h.get("loss")) for _, h in rows]),
+        n=n or _get(run.meta, ["holdout", "examples"]) or 0,
+        num_classes=num_classes,
+        labels=labels,
+        matrix_steps=np.array([rows[i][0] for i in keep], dtype=float),
+        correct=correct,
+        predictions_last=[rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
+        raw=[h for _, h in rows])
+
+
+def _holdout_matrix(rows: list, kind: str):
+    """(examples per evaluation, indices of the evaluations of that size, their examples x evaluations
+    matrix): `correct` for classification, per-example token accuracy for language models."""
+    # One array conversion for all evaluations, not one per record: this is the slow part on big runs.
+    if kind == "classification":
+        pairs = [(h.get("labels"), h.get("predictions")) for _, h in rows]
+        sizes = [len(a) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else 0
+                 for a, b in pairs]
+    else:
+        toks = [h.get("token_accuracy") for _, h in rows]
+        sizes = [len(t) if isinstance(t, list) else 0 for t in toks]
+    nonzero = [k for k in sizes if k]
+    n = max(set(nonzero), key=nonzero.count) if nonzero else 0
+    keep = [i for i, k in enumerate(sizes) if n and k == n]
+    if not keep:
+        return n, keep, None
+    try:
         if kind == "classification":
-            pairs = [(h.get("labels"), h.get("predictions")) for _, h in rows]
-            sizes = [len(a) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else 0
-                     for a, b in pairs]
-        else:
-            toks = [h.get("token_accuracy") for _, h in rows]
-            sizes = [len(t) if isinstance(t, list) else 0 for t in toks]
-        nonzero = [k for k in sizes if k]
-        n = max(set(nonzero), key=nonzero.count) if nonzero else 0
-        keep = [i for i, k in enumerate(sizes) if n and k == n]
-        correct = None
-        if keep:
-            try:
-                if kind == "classification":
-                    correct = (np.array([pairs[i][0] for i in keep]) == np.array([pairs[i][1] for i in keep])).T
-                else:
-                    correct = np.array([[_num(v) for v in toks[i]] for i in keep]).T
-            except (ValueError, TypeError):
-                keep, correct = [], None
-        labels = None
-        num_classes = None
-        if kind == "classification":
-            for _, h in reversed(rows):
-                nc = h.get("num_classes")
-                lg = holdout_logits_of(h) if not isinstance(nc, int) else None
-                if isinstance(nc, int) and nc >= 2:
-                    num_classes = nc
-                elif isinstance(lg, list) and lg and isinstance(lg[0], list) and len(lg[0]) >= 2:
-                    num_classes = len(lg[0])
-                if num_classes:
-                    break
-            if keep:
-                lab = rows[keep[-1]][1].get("labels")
-                labels = np.array(lab) if lab else None
-                if num_classes is None and labels is not None:
-                    preds = rows[keep[-1]][1].get("predictions") or []
-                    num_classes = max(2, int(max(list(lab) + list(preds))) + 1)
-        data = {
-            "kind": kind,
-            "steps": np.array([s for s, _ in rows], dtype=float),
-            "accuracy": np.array([_num(h.get("accuracy")) for _, h in rows]),
-            "loss": np.array([_num(h.get("loss")) for _, h in rows]),
-            "n": n or _get(run.meta, ["holdout", "examples"]) or 0,
-            "num_classes": num_classes,
-            "labels": labels,
-            "matrix_steps": np.array([rows[i][0] for i in keep], dtype=float),
-            "correct": correct,
-            "predictions_last": [rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
-            "raw": [h for _, h in rows],
-        }
-    return data
+            return n, keep, (np.array([pairs[i][0] for i in keep]) == np.array([pairs[i][1] for i in keep])).T
+        return n, keep, np.array([[_num(v) for v in toks[i]] for i in keep]).T
+    except (ValueError, TypeError):
+        return n, [], None
+
+
+def _holdout_classes(rows: list, keep: list):
+    """(number of classes, labels of the last evaluation in `keep`) of a classification holdout."""
+    num_classes = labels = None
+    for _, h in reversed(rows):
+        nc = h.get("num_classes")
+        lg = holdout_logits_of(h) if not isinstance(nc, int) else None
+        if isinstance(nc, int) and nc >= 2:
+            num_classes = nc
+        elif isinstance(lg, list) and lg and isinstance(lg[0], list) and len(lg[0]) >= 2:
+            num_classes = len(lg[0])
+        if num_classes:
+            break
+    if keep:
+        lab = rows[keep[-1]][1].get("labels")
+        labels = np.array(lab) if lab else None
+        if num_classes is None and labels is not None:
+            preds = rows[keep[-1]][1].get("predictions") or []
+            num_classes = max(2, int(max(list(lab) + list(preds))) + 1)
+    return num_classes, labels
 
 
 def train_accuracy_key(run: Run):
@@ -806,8 +828,8 @@ def check_gradients(run: Run) -> list:
         # A blow-up before the first collection shows as a loss far above the chance level log(C)
         # together with gradients far above the rest of the run.
         h = holdout_data(run)
-        if h and h["kind"] == "classification" and h["num_classes"]:
-            chance_loss = math.log(h["num_classes"])
+        if h and h.kind == "classification" and h.num_classes:
+            chance_loss = math.log(h.num_classes)
             loss_all = column(run, "loss")
             g_all = column(run, "gradient_norm.overall")
             if not has_values(run, "gradient_norm.overall"):
@@ -901,24 +923,24 @@ def _sigma(p: float, n: int) -> float:
 
 def check_holdout_at_chance(run: Run) -> list:
     h = holdout_data(run)
-    if not h or h["kind"] != "classification" or not h["num_classes"]:
+    if not h or h.kind != "classification" or not h.num_classes:
         return []
-    ok = np.isfinite(h["accuracy"])
-    acc, st = h["accuracy"][ok], h["steps"][ok]
+    ok = np.isfinite(h.accuracy)
+    acc, st = h.accuracy[ok], h.steps[ok]
     if len(acc) < 5:
         return []
     late = st >= st[0] + 0.75 * (st[-1] - st[0])
     late[-2:] = True
     late_acc = float(np.median(acc[late]))
-    chance = 1.0 / h["num_classes"]
-    n = int(h["n"] or 0) or 50
+    chance = 1.0 / h.num_classes
+    n = int(h.n or 0) or 50
     band = 2 * _sigma(chance, n)
-    single = [p for p in h["predictions_last"] if isinstance(p, list) and p]
+    single = [p for p in h.predictions_last if isinstance(p, list) and p]
     one_class = len(single) >= 2 and all(len(set(p)) == 1 for p in single) and len({p[0] for p in single}) == 1
     if abs(late_acc - chance) <= band:
         why = (f"holdout accuracy is {late_acc:.3f} over the last quarter of the run (steps {int(st[late][0])}-"
                f"{int(st[-1])}), within the noise band of chance {chance:.3f} +/- {band:.3f} "
-               f"(2 binomial sigmas for {n} examples, {h['num_classes']} classes)")
+               f"(2 binomial sigmas for {n} examples, {h.num_classes} classes)")
     elif one_class:
         why = (f"the model predicts class {single[-1][0]} for every holdout example in the last collections "
                f"(accuracy {late_acc:.3f} is just that class's share)")
@@ -985,7 +1007,7 @@ def _paired_rise_t(h: dict, best: int, ok_idx: np.ndarray):
 
     The holdout is the same examples every time, so a paired test tells a rise carried by many
     examples (overfitting) from one carried by two or three borderline examples (noise)."""
-    raw = [h["raw"][i] for i in ok_idx]
+    raw = [h.raw[i] for i in ok_idx]
     base = [_example_losses(r) for r in raw[max(0, best - 1): best + 2]]
     end = [_example_losses(r) for r in raw[-3:]]
     arrays = [a for a in base + end if a is not None]
@@ -1003,23 +1025,23 @@ def check_overfitting(run: Run) -> list:
     h = holdout_data(run)
     if not h:
         return []
-    n = int(h["n"] or 0) or 50
+    n = int(h.n or 0) or 50
     key = train_accuracy_key(run)
-    span_start, span_end = h["steps"][0], h["steps"][-1]
+    span_start, span_end = h.steps[0], h.steps[-1]
     span = max(span_end - span_start, 1)
     # A meaningful generalisation gap, when train accuracy is known; a 50-example holdout wobbles by
     # several points, so the gap must clear both 15 points and the holdout's binomial noise.
     gap_ok, gap_text = None, ""
-    acc_ok = np.isfinite(h["accuracy"])
+    acc_ok = np.isfinite(h.accuracy)
     if key and acc_ok.sum() >= 3:
-        hold_end = float(np.median(h["accuracy"][acc_ok][-3:]))
+        hold_end = float(np.median(h.accuracy[acc_ok][-3:]))
         gap = _edge_median(column(run, key), "last") - hold_end
         gap_ok = gap >= max(0.15, 2 * _sigma(hold_end, n))
         gap_text = f"; train accuracy {_edge_median(column(run, key), 'last'):.3f} vs holdout {hold_end:.3f}"
     reasons, where = [], []
     for metric, sign in (("loss", 1), ("accuracy", -1)):
-        ok = np.isfinite(h[metric])
-        x, st = h[metric][ok], h["steps"][ok]
+        ok = np.isfinite(getattr(h, metric))
+        x, st = getattr(h, metric)[ok], h.steps[ok]
         if len(x) < 5:
             continue
         sm = _smooth3(x)
@@ -1042,7 +1064,7 @@ def check_overfitting(run: Run) -> list:
                 reasons.append(f"{change} while {how}")
                 where += [int(st[b]), int(st[-1])]
     if key and acc_ok.sum() >= 5 and not reasons and gap_ok:
-        hacc, hst = h["accuracy"][acc_ok], h["steps"][acc_ok]
+        hacc, hst = h.accuracy[acc_ok], h.steps[acc_ok]
         half = hst >= span_start + 0.5 * span
         tacc = column(run, key)
         thalf = steps(run) >= span_start + 0.5 * span
@@ -1071,14 +1093,14 @@ def _forgetting_stats(correct: np.ndarray) -> dict:
 
 def check_forgetting(run: Run) -> list:
     h = holdout_data(run)
-    if not h or h["kind"] != "classification" or h["correct"] is None or h["correct"].shape[1] < 4:
+    if not h or h.kind != "classification" or h.correct is None or h.correct.shape[1] < 4:
         return []
-    correct = h["correct"].astype(bool)
+    correct = h.correct.astype(bool)
     n = correct.shape[0]
     f = _forgetting_stats(correct)
     if not f["events"]:
         return []
-    st = h["matrix_steps"]
+    st = h.matrix_steps
     event_steps = st[f["first_steps"] + 1]
     msg = (f"{f['events']} forgetting event(s) (an example right at one collection and wrong at the next; "
            f"Toneva et al. 2019) across {f['examples']} of {n} holdout examples; "
@@ -1121,8 +1143,8 @@ def check_class_imbalance(run: Run) -> list:
     names, m, sizes, st = bc
     h = holdout_data(run)
     k = len(names)
-    if h and h["kind"] == "classification" and h["num_classes"] and h["num_classes"] <= 32:
-        k = max(k, h["num_classes"])
+    if h and h.kind == "classification" and h.num_classes and h.num_classes <= 32:
+        k = max(k, h.num_classes)
     if k < 2 or sizes.sum() <= 0:
         return []
     total = m.sum(axis=0)
@@ -1135,8 +1157,8 @@ def check_class_imbalance(run: Run) -> list:
     if significant and (shares[lo] <= 0 or shares[hi] / shares[lo] >= 2):
         reasons.append(f"train batches are {', '.join(f'{labels[i]}: {shares[i]:.1%}' for i in range(k))} "
                        f"over {len(sizes)} batches (balanced would be {expected:.1%} each)")
-    if h and h["kind"] == "classification" and h["labels"] is not None and len(h["labels"]) >= 20:
-        hl = h["labels"]
+    if h and h.kind == "classification" and h.labels is not None and len(h.labels) >= 20:
+        hl = h.labels
         nh = len(hl)
         for i, c in enumerate(names):
             try:
@@ -1280,8 +1302,8 @@ def summarize(run: Run, findings: list = None) -> dict:
         s["train_acc_last"] = _edge_median(column(run, key), "last", 0.1)
     h = holdout_data(run)
     if h:
-        acc, hl = h["accuracy"], h["loss"]
-        s["holdout_examples"] = int(h["n"] or 0)
+        acc, hl = h.accuracy, h.loss
+        s["holdout_examples"] = int(h.n or 0)
         s["holdout_acc_first"] = float(_finite(acc)[0]) if len(_finite(acc)) else None
         s["holdout_acc_last"] = float(_finite(acc)[-1]) if len(_finite(acc)) else None
         s["holdout_acc_best"] = float(np.max(_finite(acc))) if len(_finite(acc)) else None
@@ -1395,7 +1417,7 @@ def plot_loss(runs, path):
         y = column(run, "loss")
         h = holdout_data(run)
         data.append((ri, run, y, h))
-    if not any(np.isfinite(y).any() or (h and np.isfinite(h["loss"]).any()) for _, _, y, h in data):
+    if not any(np.isfinite(y).any() or (h and np.isfinite(h.loss).any()) for _, _, y, h in data):
         return "no train loss and no holdout loss in any record"
     fig, ax = plt.subplots(figsize=(10, 4.5))
     arrays = []
@@ -1412,11 +1434,11 @@ def plot_loss(runs, path):
                         color="C0" if len(runs) == 1 else f"C{ri}", lw=1.8,
                         label=_label(runs, run, f"train loss (rolling median of {w})"))
             arrays.append(v)
-        if h and np.isfinite(h["loss"]).any():
-            ok = np.isfinite(h["loss"])
-            ax.plot(h["steps"][ok], h["loss"][ok], LINESTYLES[ri % 4], color="C3" if len(runs) == 1 else f"C{ri}",
+        if h and np.isfinite(h.loss).any():
+            ok = np.isfinite(h.loss)
+            ax.plot(h.steps[ok], h.loss[ok], LINESTYLES[ri % 4], color="C3" if len(runs) == 1 else f"C{ri}",
                     marker="o", ms=3, lw=1.5, label=_label(runs, run, "holdout loss"))
-            arrays.append(h["loss"][ok])
+            arrays.append(h.loss[ok])
     _auto_log(ax, arrays)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -1426,7 +1448,7 @@ def plot_loss(runs, path):
 
 def plot_accuracy(runs, path):
     plt = _pyplot()
-    if not any((h := holdout_data(r)) and np.isfinite(h["accuracy"]).any() for r in runs) \
+    if not any((h := holdout_data(r)) and np.isfinite(h.accuracy).any() for r in runs) \
             and not any(train_accuracy_key(r) for r in runs):
         return "no holdout accuracy and no train accuracy scalar in any record"
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -1434,14 +1456,14 @@ def plot_accuracy(runs, path):
     for ri, run in enumerate(runs):
         h = holdout_data(run)
         color = f"C{ri}" if len(runs) > 1 else "C3"
-        if h and np.isfinite(h["accuracy"]).any():
-            ok = np.isfinite(h["accuracy"])
-            ax.plot(h["steps"][ok], h["accuracy"][ok], LINESTYLES[ri % 4], color=color, marker="o", ms=3,
+        if h and np.isfinite(h.accuracy).any():
+            ok = np.isfinite(h.accuracy)
+            ax.plot(h.steps[ok], h.accuracy[ok], LINESTYLES[ri % 4], color=color, marker="o", ms=3,
                     label=_label(runs, run, "holdout accuracy"))
-            if h["kind"] == "classification" and h["num_classes"] and not chance_drawn:
-                p0, n = 1.0 / h["num_classes"], int(h["n"] or 50)
+            if h.kind == "classification" and h.num_classes and not chance_drawn:
+                p0, n = 1.0 / h.num_classes, int(h.n or 50)
                 band = 2 * _sigma(p0, n)
-                ax.axhline(p0, color="grey", ls="--", lw=1, label=f"chance 1/{h['num_classes']}")
+                ax.axhline(p0, color="grey", ls="--", lw=1, label=f"chance 1/{h.num_classes}")
                 ax.axhspan(p0 - band, p0 + band, color="grey", alpha=0.12, label=f"chance +/- 2 sigma (n={n})")
                 chance_drawn = True
         key = train_accuracy_key(run)
@@ -1504,17 +1526,17 @@ def _heat_columns(matrix, max_cols=1500):
 def plot_holdout_heatmap(runs, path):
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
-    panels = [(run, h) for run in runs if (h := holdout_data(run)) and h["correct"] is not None
-              and h["correct"].shape[1] >= 2]
+    panels = [(run, h) for run in runs if (h := holdout_data(run)) and h.correct is not None
+              and h.correct.shape[1] >= 2]
     if not panels:
         return "no per-example holdout predictions (holdout_logits labels/predictions) in at least 2 records"
     panels = panels[:4]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.5 + 3.5 * len(panels)), squeeze=False)
     for ax, (run, h) in zip(axes[:, 0], panels):
-        mat = h["correct"]
+        mat = h.correct
         cols = _heat_columns(mat)
-        st = h["matrix_steps"][cols]
-        if h["kind"] == "classification":
+        st = h.matrix_steps[cols]
+        if h.kind == "classification":
             c = mat.astype(bool)
             ever = c.any(axis=1)
             flips = (c[:, :-1] & ~c[:, 1:]).any(axis=1)
