@@ -802,82 +802,122 @@ def _grad_series(run: Run):
     return steps(run)[ok], g[ok]
 
 
-def check_gradients(run: Run) -> list:
-    findings = []
+def _gradient_trend(run: Run):
+    """(steps, norms, median of the first fifth, median of the last fifth) of the overall gradient norm,
+    or None with fewer than 6 usable collections."""
     st, g = _grad_series(run)
-    if g is not None and len(g) >= 6:
-        head, tail = _edge_median(g, "first"), _edge_median(g, "last")
-        growth = tail / head
-        parts, where = [], []
-        if growth >= 10:
-            k = max(3, int(math.ceil(0.2 * len(g))))
-            parts.append(f"the gradient norm grew {growth:.0f}x, from median {_fmt(head)} in the first fifth of "
-                         f"the run to {_fmt(tail)} in the last")
-            where.append(int(st[-k]))
-        med, _ = _prev_window_stats(g, 20, 5, with_mad=False)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = g / med
-        # Near convergence the norm can wobble 100x around ~0; only jumps that matter on the run's
-        # starting scale count.
-        spikes = np.where((ratio >= 20) & (g >= 0.1 * head))[0]
-        if len(spikes):
-            worst = spikes[np.argmax(ratio[spikes])]
-            parts.append(f"{len(spikes)} collection(s) jumped to >= 20x the running median, worst "
-                         f"{_fmt(g[worst])} ({ratio[worst]:.0f}x) at step {int(st[worst])}")
-            where += [int(st[i]) for i in spikes]
-        # A blow-up before the first collection shows as a loss far above the chance level log(C)
-        # together with gradients far above the rest of the run.
-        h = holdout_data(run)
-        if h and h.kind == "classification" and h.num_classes:
-            chance_loss = math.log(h.num_classes)
-            loss_all = column(run, "loss")
-            g_all = column(run, "gradient_norm.overall")
-            if not has_values(run, "gradient_norm.overall"):
-                g_all = np.full(len(loss_all), np.nan)
-                g_all[np.isin(steps(run), st)] = g
-            with np.errstate(invalid="ignore"):
-                blown = np.where((loss_all > 10 * chance_loss) & (g_all > 10 * float(np.median(g))))[0]
-            if len(blown):
-                i = blown[np.argmax(loss_all[blown])]
-                parts.append(f"the train loss reached {_fmt(loss_all[i])} at step {int(steps(run)[i])}, over 10x the "
-                             f"chance level {chance_loss:.3f}, with gradient norm {_fmt(g_all[i])} "
-                             f"({g_all[i] / np.median(g):,.0f}x the run's median)")
-                where += [int(steps(run)[j]) for j in blown]
-        if parts:
-            findings.append(Finding(
-                "exploding_gradients", "warning", "; ".join(parts) + ".", _steps_list(sorted(where)),
-                hint="Lower the learning rate, add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, and "
-                     "check for unnormalised inputs or a loss that can blow up."))
-        loss = _finite(column(run, "loss"))
-        loss_converged = len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
-        if growth <= 1e-3 and not loss_converged:
-            findings.append(Finding(
-                "vanishing_gradients", "warning",
-                f"the gradient norm shrank {1 / growth:,.0f}x, from median {_fmt(head)} to {_fmt(tail)}, "
-                "while the loss did not converge.",
-                _steps_list([st[0], st[-1]]),
-                hint="Check saturating activations, too-deep plain stacks (add residuals/normalisation), an "
-                     "initialisation that is too small, or a learning-rate schedule that decays to ~0."))
+    if g is None or len(g) < 6:
+        return None
+    return st, g, _edge_median(g, "first"), _edge_median(g, "last")
+
+
+def _grad_growth(run: Run, st, g, head, tail):
+    growth = tail / head
+    if growth < 10:
+        return None
+    k = max(3, int(math.ceil(0.2 * len(g))))
+    return (f"the gradient norm grew {growth:.0f}x, from median {_fmt(head)} in the first fifth of the run to "
+            f"{_fmt(tail)} in the last", [int(st[-k])])
+
+
+def _grad_jumps(run: Run, st, g, head, tail):
+    med, _ = _prev_window_stats(g, 20, 5, with_mad=False)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = g / med
+    # Near convergence the norm can wobble 100x around ~0; only jumps that matter on the run's
+    # starting scale count.
+    spikes = np.where((ratio >= 20) & (g >= 0.1 * head))[0]
+    if not len(spikes):
+        return None
+    worst = spikes[np.argmax(ratio[spikes])]
+    return (f"{len(spikes)} collection(s) jumped to >= 20x the running median, worst {_fmt(g[worst])} "
+            f"({ratio[worst]:.0f}x) at step {int(st[worst])}", [int(st[i]) for i in spikes])
+
+
+def _blown_up_loss(run: Run, st, g, head, tail):
+    """A blow-up before the first collection shows as a loss far above the chance level log(C)
+    together with gradients far above the rest of the run."""
+    h = holdout_data(run)
+    if not (h and h.kind == "classification" and h.num_classes):
+        return None
+    chance_loss = math.log(h.num_classes)
+    loss_all = column(run, "loss")
+    g_all = column(run, "gradient_norm.overall")
+    if not has_values(run, "gradient_norm.overall"):
+        g_all = np.full(len(loss_all), np.nan)
+        g_all[np.isin(steps(run), st)] = g
+    with np.errstate(invalid="ignore"):
+        blown = np.where((loss_all > 10 * chance_loss) & (g_all > 10 * float(np.median(g))))[0]
+    if not len(blown):
+        return None
+    i = blown[np.argmax(loss_all[blown])]
+    return (f"the train loss reached {_fmt(loss_all[i])} at step {int(steps(run)[i])}, over 10x the chance level "
+            f"{chance_loss:.3f}, with gradient norm {_fmt(g_all[i])} ({g_all[i] / np.median(g):,.0f}x the run's "
+            "median)", [int(steps(run)[j]) for j in blown])
+
+
+def check_exploding_gradients(run: Run) -> list:
+    trend = _gradient_trend(run)
+    if trend is None:
+        return []
+    parts, where = [], []
+    for rule in (_grad_growth, _grad_jumps, _blown_up_loss):
+        found = rule(run, *trend)
+        if found:
+            parts.append(found[0])
+            where += found[1]
+    if not parts:
+        return []
+    return [Finding(
+        "exploding_gradients", "warning", "; ".join(parts) + ".", _steps_list(sorted(where)),
+        hint="Lower the learning rate, add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, and "
+             "check for unnormalised inputs or a loss that can blow up.")]
+
+
+def _shrinking_gradient(run: Run):
+    trend = _gradient_trend(run)
+    if trend is None:
+        return None
+    st, _, head, tail = trend
+    growth = tail / head
+    loss = _finite(column(run, "loss"))
+    loss_converged = len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
+    if growth > 1e-3 or loss_converged:
+        return None
+    return Finding(
+        "vanishing_gradients", "warning",
+        f"the gradient norm shrank {1 / growth:,.0f}x, from median {_fmt(head)} to {_fmt(tail)}, "
+        "while the loss did not converge.",
+        _steps_list([st[0], st[-1]]),
+        hint="Check saturating activations, too-deep plain stacks (add residuals/normalisation), an "
+             "initialisation that is too small, or a learning-rate schedule that decays to ~0.")
+
+
+def _starved_layers(run: Run):
     layers = section_keys(run, "layer_stats", skip_overall=False)
-    if len(layers) >= 2:
-        meds = {}
-        for k in layers:
-            v = _finite(column(run, ("layer_stats", k, "grad_norm"))[1:])
-            v = v[v > 0]
-            if len(v):
-                meds[k] = float(np.median(v))
-        if meds:
-            top = max(meds.values())
-            tiny = sorted((k for k, v in meds.items() if v < 1e-5 * top), key=meds.get)
-            if tiny:
-                findings.append(Finding(
-                    "vanishing_gradients", "warning",
-                    f"{len(tiny)} layer(s) get gradients below 1e-5 of the largest layer's ({_fmt(top)}): "
-                    + ", ".join(f"{k} ({_fmt(meds[k])})" for k in tiny[:5]) + ("..." if len(tiny) > 5 else "") + ".",
-                    _steps_list(steps(run)[1:2]), group=tiny[0],
-                    hint="Early layers starving: add residual connections or normalisation, check activations "
-                         "and initialisation, or give those layers a larger learning rate."))
-    return findings
+    if len(layers) < 2:
+        return None
+    meds = {}
+    for k in layers:
+        v = _finite(column(run, ("layer_stats", k, "grad_norm"))[1:])
+        v = v[v > 0]
+        if len(v):
+            meds[k] = float(np.median(v))
+    top = max(meds.values(), default=0.0)
+    tiny = sorted((k for k, v in meds.items() if v < 1e-5 * top), key=meds.get)
+    if not tiny:
+        return None
+    return Finding(
+        "vanishing_gradients", "warning",
+        f"{len(tiny)} layer(s) get gradients below 1e-5 of the largest layer's ({_fmt(top)}): "
+        + ", ".join(f"{k} ({_fmt(meds[k])})" for k in tiny[:5]) + ("..." if len(tiny) > 5 else "") + ".",
+        _steps_list(steps(run)[1:2]), group=tiny[0],
+        hint="Early layers starving: add residual connections or normalisation, check activations "
+             "and initialisation, or give those layers a larger learning rate.")
+
+
+def check_vanishing_gradients(run: Run) -> list:
+    return [f for f in (_shrinking_gradient(run), _starved_layers(run)) if f is not None]
 
 
 def check_loss_spikes(run: Run) -> list:
@@ -1258,7 +1298,7 @@ def diagnose(run: Run) -> list:
 def _diagnose(run: Run) -> list:
     findings = []
     for check in (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_groups,
-                  check_not_learning, check_gradients, check_loss_spikes, check_holdout_at_chance,
+                  check_not_learning, check_exploding_gradients, check_vanishing_gradients, check_loss_spikes, check_holdout_at_chance,
                   check_overfitting, check_forgetting, check_class_imbalance, check_lora):
         findings += check(run)
     # An alert telemetry raised on a problem the analyzer also found is folded into that finding
