@@ -1061,23 +1061,23 @@ def _paired_rise_t(h: dict, best: int, ok_idx: np.ndarray):
     return math.inf if sd == 0 and d.mean() > 0 else (float(d.mean()) / (sd / math.sqrt(len(d))) if sd else 0.0)
 
 
-def check_overfitting(run: Run) -> list:
-    h = holdout_data(run)
-    if not h:
-        return []
-    n = int(h.n or 0) or 50
-    key = train_accuracy_key(run)
-    span_start, span_end = h.steps[0], h.steps[-1]
-    span = max(span_end - span_start, 1)
-    # A meaningful generalisation gap, when train accuracy is known; a 50-example holdout wobbles by
-    # several points, so the gap must clear both 15 points and the holdout's binomial noise.
-    gap_ok, gap_text = None, ""
+def _generalisation_gap(run: Run, h: Holdout, key, n: int):
+    """(is the train-holdout accuracy gap meaningful? None when train accuracy is unknown, its text).
+
+    A 50-example holdout wobbles by several points, so the gap must clear both 15 points and the
+    holdout's binomial noise."""
     acc_ok = np.isfinite(h.accuracy)
-    if key and acc_ok.sum() >= 3:
-        hold_end = float(np.median(h.accuracy[acc_ok][-3:]))
-        gap = _edge_median(column(run, key), "last") - hold_end
-        gap_ok = gap >= max(0.15, 2 * _sigma(hold_end, n))
-        gap_text = f"; train accuracy {_edge_median(column(run, key), 'last'):.3f} vs holdout {hold_end:.3f}"
+    if not (key and acc_ok.sum() >= 3):
+        return None, ""
+    hold_end = float(np.median(h.accuracy[acc_ok][-3:]))
+    train_end = _edge_median(column(run, key), "last")
+    gap_ok = train_end - hold_end >= max(0.15, 2 * _sigma(hold_end, n))
+    return gap_ok, f"; train accuracy {train_end:.3f} vs holdout {hold_end:.3f}"
+
+
+def _holdout_got_worse(run: Run, h: Holdout, n: int, gap_ok):
+    """([reasons], [steps]): holdout loss or accuracy past its best while the train side improved."""
+    span = max(h.steps[-1] - h.steps[0], 1)
     reasons, where = [], []
     for metric, sign in (("loss", 1), ("accuracy", -1)):
         ok = np.isfinite(getattr(h, metric))
@@ -1103,17 +1103,38 @@ def check_overfitting(run: Run) -> list:
             if improved:
                 reasons.append(f"{change} while {how}")
                 where += [int(st[b]), int(st[-1])]
-    if key and acc_ok.sum() >= 5 and not reasons and gap_ok:
-        hacc, hst = h.accuracy[acc_ok], h.steps[acc_ok]
-        half = hst >= span_start + 0.5 * span
-        tacc = column(run, key)
-        thalf = steps(run) >= span_start + 0.5 * span
-        t_gain = _edge_median(tacc[thalf], "last", 0.25, 2) - _edge_median(tacc[thalf], "first", 0.25, 2)
-        h_gain = _edge_median(hacc[half], "last", 0.25, 2) - _edge_median(hacc[half], "first", 0.25, 2)
-        if t_gain >= 0.05 and h_gain <= max(0.02, _sigma(float(np.median(hacc[-3:])), n)):
-            reasons.append(f"over the second half train accuracy rose {t_gain:+.3f} while holdout accuracy "
-                           f"moved {h_gain:+.3f}")
-            where += [int(hst[half][0]), int(hst[-1])]
+    return reasons, where
+
+
+def _train_outpaces_holdout(run: Run, h: Holdout, key, n: int):
+    """(reason, [steps]) when over the second half train accuracy rose and holdout accuracy did not."""
+    acc_ok = np.isfinite(h.accuracy)
+    if acc_ok.sum() < 5:
+        return None
+    span_start, span = h.steps[0], max(h.steps[-1] - h.steps[0], 1)
+    hacc, hst = h.accuracy[acc_ok], h.steps[acc_ok]
+    half = hst >= span_start + 0.5 * span
+    tacc = column(run, key)
+    thalf = steps(run) >= span_start + 0.5 * span
+    t_gain = _edge_median(tacc[thalf], "last", 0.25, 2) - _edge_median(tacc[thalf], "first", 0.25, 2)
+    h_gain = _edge_median(hacc[half], "last", 0.25, 2) - _edge_median(hacc[half], "first", 0.25, 2)
+    if t_gain >= 0.05 and h_gain <= max(0.02, _sigma(float(np.median(hacc[-3:])), n)):
+        return (f"over the second half train accuracy rose {t_gain:+.3f} while holdout accuracy moved "
+                f"{h_gain:+.3f}", [int(hst[half][0]), int(hst[-1])])
+    return None
+
+
+def check_overfitting(run: Run) -> list:
+    h = holdout_data(run)
+    if not h:
+        return []
+    n = int(h.n or 0) or 50
+    key = train_accuracy_key(run)
+    gap_ok, gap_text = _generalisation_gap(run, h, key, n)
+    reasons, where = _holdout_got_worse(run, h, n, gap_ok)
+    if key and not reasons and gap_ok and (found := _train_outpaces_holdout(run, h, key, n)):
+        reasons.append(found[0])
+        where += found[1]
     if not reasons:
         return []
     return [Finding(
