@@ -1273,8 +1273,10 @@ def check_lora(run: Run) -> list:
              "params have requires_grad=True and lr > 0, and that gradients reach them.")]
 
 
-def check_alerts_and_errors(run: Run) -> list:
-    alerts, errors = {}, {}
+def check_telemetry_alerts(run: Run) -> list:
+    """The alerts telemetry.py raised while training, one finding per (code, group), at the worst
+    severity seen; they keep the writer's codes."""
+    alerts = {}
     for r in run.records:
         for a in r.get("alerts") or []:
             if not isinstance(a, dict) or not a.get("code"):
@@ -1285,57 +1287,66 @@ def check_alerts_and_errors(run: Run) -> list:
             if SEVERITIES.index(sev) > SEVERITIES.index(entry["severity"]):
                 entry["severity"] = sev
             entry["steps"].append(r["step"])
+    return [Finding(
+        code, a["severity"],
+        f"telemetry alert at step {a['steps'][0]}" + (f" (group '{group}')" if group else "") + f": {a['message']}"
+        + (f" (raised {len(a['steps'])} times)" if len(a["steps"]) > 1 else ""),
+        _steps_list(a["steps"]), group=group, source="telemetry",
+        hint="Raised by telemetry.py while training; see the matching analyzer finding if there is one.")
+        for (code, group), a in alerts.items()]
+
+
+def check_metric_errors(run: Run) -> list:
+    errors = {}
+    for r in run.records:
         errs = r.get("errors")
         if isinstance(errs, dict):
             for section, text in errs.items():
                 e = errors.setdefault(section, {"steps": [], "message": str(text)})
                 e["steps"].append(r["step"])
-    findings = []
-    for (code, group), a in alerts.items():
-        findings.append(Finding(
-            code, a["severity"],
-            f"telemetry alert at step {a['steps'][0]}"
-            + (f" (group '{group}')" if group else "") + f": {a['message']}"
-            + (f" (raised {len(a['steps'])} times)" if len(a["steps"]) > 1 else ""),
-            _steps_list(a["steps"]), group=group, source="telemetry",
-            hint="Raised by telemetry.py while training; see the matching analyzer finding if there is one."))
-    if errors:
-        parts = [f"{s} failed in {len(e['steps'])} record(s) from step {e['steps'][0]} ({e['message']})"
-                 for s, e in errors.items()]
-        findings.append(Finding(
-            "metric_errors", "warning", "; ".join(parts) + ". Those sections are missing from those records.",
-            _steps_list(sorted(s for e in errors.values() for s in e["steps"])),
-            hint="Fix the cause shown (often a batch format telemetry did not understand: pass batch_label_key, "
-                 "or a holdout forward); run with strict=True to get the traceback."))
-    return findings
+    if not errors:
+        return []
+    parts = [f"{s} failed in {len(e['steps'])} record(s) from step {e['steps'][0]} ({e['message']})"
+             for s, e in errors.items()]
+    return [Finding(
+        "metric_errors", "warning", "; ".join(parts) + ". Those sections are missing from those records.",
+        _steps_list(sorted(s for e in errors.values() for s in e["steps"])),
+        hint="Fix the cause shown (often a batch format telemetry did not understand: pass batch_label_key, "
+             "or a holdout forward); run with strict=True to get the traceback.")]
+
+
+# In the order their findings are listed before sorting by severity; telemetry's alerts come last so
+# that they can fold into the analyzer's finding on the same problem.
+CHECKS = (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_groups, check_not_learning,
+          check_exploding_gradients, check_vanishing_gradients, check_loss_spikes, check_holdout_at_chance,
+          check_overfitting, check_forgetting, check_class_imbalance, check_lora, check_telemetry_alerts,
+          check_metric_errors)
 
 
 def diagnose(run: Run) -> list:
     """All findings for a run, most severe first."""
-    with gc_paused():
-        return _diagnose(run)
-
-
-def _diagnose(run: Run) -> list:
     findings = []
-    for check in (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_groups,
-                  check_not_learning, check_exploding_gradients, check_vanishing_gradients, check_loss_spikes, check_holdout_at_chance,
-                  check_overfitting, check_forgetting, check_class_imbalance, check_lora):
-        findings += check(run)
-    # An alert telemetry raised on a problem the analyzer also found is folded into that finding
-    # (a group frozen because its LR is 0 is the lr_zero finding's business).
-    for alert in check_alerts_and_errors(run):
-        same = ("frozen_group", "lr_zero") if alert.code == "frozen_group" else (alert.code,)
-        twin = next((f for f in findings if f.code in same and f.source == "analyzer"
-                     and (alert.group is None or f.group in (None, alert.group))), None)
-        if twin is None:
-            findings.append(alert)
-            continue
-        twin.message += f" [telemetry alert {alert.code} at step {alert.steps[0]}]"
-        if SEVERITIES.index(alert.severity) > SEVERITIES.index(twin.severity):
-            twin.severity = alert.severity
+    with gc_paused():
+        for check in CHECKS:
+            for f in check(run):
+                if not (f.source == "telemetry" and _fold_alert(findings, f)):
+                    findings.append(f)
     findings.sort(key=lambda f: (-SEVERITIES.index(f.severity), f.steps[0] if f.steps else 0))
     return findings
+
+
+def _fold_alert(findings: list, alert: Finding) -> bool:
+    """Fold an alert telemetry raised into the analyzer's finding on the same problem, if there is one
+    (a group frozen because its LR is 0 is the lr_zero finding's business)."""
+    same = ("frozen_group", "lr_zero") if alert.code == "frozen_group" else (alert.code,)
+    twin = next((f for f in findings if f.code in same and f.source == "analyzer"
+                 and (alert.group is None or f.group in (None, alert.group))), None)
+    if twin is None:
+        return False
+    twin.message += f" [telemetry alert {alert.code} at step {alert.steps[0]}]"
+    if SEVERITIES.index(alert.severity) > SEVERITIES.index(twin.severity):
+        twin.severity = alert.severity
+    return True
 
 
 def summarize(run: Run, findings: list = None) -> dict:
