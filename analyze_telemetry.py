@@ -1426,15 +1426,28 @@ def _auto_log(ax, arrays, axis="y"):
         (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
 
 
+def _save(fig, path, title):
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
 def _finish(fig, ax_list, path, title):
     for ax in ax_list:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="best")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    _save(fig, path, title)
+
+
+def _finish_steps(fig, ax, path, title, ylabel, unit=False):
+    """Finish a one-panel chart over steps; unit=True holds the y axis at 0..1 (shares, accuracies)."""
+    if unit:
+        ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    _finish(fig, [ax], path, title)
 
 
 def _group_lines(runs, path, section, title, ylabel, guide=None):
@@ -1458,9 +1471,7 @@ def _group_lines(runs, path, section, title, ylabel, guide=None):
     _auto_log(ax, [y for *_, y in series])
     if guide is not None:
         ax.axhline(guide[0], color="grey", ls="--", lw=1, label=guide[1])
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    _finish(fig, [ax], path, title)
+    _finish_steps(fig, ax, path, title, ylabel)
     return None
 
 
@@ -1512,9 +1523,7 @@ def plot_loss(runs, path):
                     marker="o", ms=3, lw=1.5, label=_label(runs, run, "holdout loss"))
             arrays.append(h.loss[ok])
     _auto_log(ax, arrays)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    _finish(fig, [ax], path, "Train loss vs holdout loss")
+    _finish_steps(fig, ax, path, "Train loss vs holdout loss", "loss")
     return None
 
 
@@ -1544,10 +1553,7 @@ def plot_accuracy(runs, path):
             ok = np.isfinite(y)
             ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ri}" if len(runs) > 1 else "C0",
                     lw=0.8, alpha=0.6, label=_label(runs, run, f"train accuracy ({key})"))
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("accuracy")
-    _finish(fig, [ax], path, "Holdout accuracy (and train accuracy)")
+    _finish_steps(fig, ax, path, "Holdout accuracy (and train accuracy)", "accuracy", unit=True)
     return None
 
 
@@ -1581,10 +1587,7 @@ def plot_batch_balance(runs, path):
                 ok = np.isfinite(y)
                 if ok.any():
                     ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ci}", label=_label(runs, run, what))
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("share of batch")
-    _finish(fig, [ax], path, "Batch balance over time")
+    _finish_steps(fig, ax, path, "Batch balance over time", "share of batch", unit=True)
     return None
 
 
@@ -1638,10 +1641,7 @@ def plot_holdout_heatmap(runs, path):
             ax.set_ylabel("holdout example (sorted by final accuracy)")
             ax.set_title(_label(runs, run, "per-example holdout token accuracy"), fontsize=10)
         ax.set_xlabel("step")
-    fig.suptitle("Holdout examples over time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path, "Holdout examples over time")
     return None
 
 
@@ -1707,10 +1707,7 @@ def plot_layer_heatmap(runs, path):
         ax.set_ylabel("layer")
         ax.set_xlabel("step")
         ax.set_title(_label(runs, run, "per-layer gradient norm (grey = zero or absent)"), fontsize=10)
-    fig.suptitle("Per-layer gradient norm")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path, "Per-layer gradient norm")
     return None
 
 
@@ -1739,10 +1736,8 @@ def plot_sparsity(runs, path):
     for ri, run, what, ls, ti, x, y in series:
         ax.plot(x, y, ls if len(runs) == 1 else LINESTYLES[ri % 4], color=f"C{ti % 10}",
                 label=_label(runs, run, what))
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("share of weights that (almost) did not change")
-    _finish(fig, [ax], path, "Parameter-change sparsity")
+    _finish_steps(fig, ax, path, "Parameter-change sparsity", "share of weights that (almost) did not change",
+                  unit=True)
     return None
 
 
