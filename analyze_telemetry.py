@@ -240,22 +240,18 @@ def holdout_logits_of(h: dict):
 
 
 def _parse_line(raw: bytes):
+    """(record, None) or (None, why not) for one line."""
     rest, logits = _cut_logits(raw)
-    try:
-        obj = _DECODER.decode(rest.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        return None, str(exc).split("\n")[0][:120]
-    if not isinstance(obj, dict):
-        return None, f"a JSON {type(obj).__name__}, not an object"
-    if logits is not None:
+    obj, err = _parse_object(rest)
+    if obj is not None and logits is not None:
         h = obj.get("holdout_logits")
         if not isinstance(h, dict) or "logits" in h:
-            return _parse_line_plain(raw)
+            return _parse_object(raw)
         h["logits"] = logits
-    return obj, None
+    return obj, err
 
 
-def _parse_line_plain(raw: bytes):
+def _parse_object(raw: bytes):
     try:
         obj = _DECODER.decode(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -319,20 +315,24 @@ def column(run: Run, key) -> np.ndarray:
     return _grown(run, ("col", key), lambda old, start: _concat(old, _column_values(run.records[start:], key)))
 
 
-def _column_values(recs: list, key) -> np.ndarray:
-    parts = list(key) if isinstance(key, tuple) else key.split(".")
+def _values_at(recs: list, parts: list) -> list:
+    """The value at the key path `parts` of each record (None where absent)."""
     # The one- and two-level paths cover nearly every lookup; spelled out they are several times faster.
     if len(parts) == 1:
-        vals = [r.get(key) for r in recs]
-    elif len(parts) == 2:
+        a, = parts
+        return [r.get(a) for r in recs]
+    if len(parts) == 2:
         a, b = parts
-        vals = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
-    elif len(parts) == 3:
+        return [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
+    if len(parts) == 3:
         a, b, c = parts
-        vals = [e.get(c) if isinstance(d := r.get(a), dict) and isinstance(e := d.get(b), dict) else None
+        return [e.get(c) if isinstance(d := r.get(a), dict) and isinstance(e := d.get(b), dict) else None
                 for r in recs]
-    else:
-        vals = [_get(r, parts) for r in recs]
+    return [_get(r, parts) for r in recs]
+
+
+def _column_values(recs: list, key) -> np.ndarray:
+    vals = _values_at(recs, list(key) if isinstance(key, tuple) else key.split("."))
     try:
         if not set(map(type, vals)) <= _PLAIN_NUMBER_TYPES:
             raise TypeError
@@ -370,15 +370,7 @@ def section_keys(run: Run, section: str, skip_overall: bool = True) -> list:
     """Keys seen in a dict section across records, in first-seen order ('overall' left out)."""
     def extend(seen, start):
         seen = dict.fromkeys(seen or ())
-        parts = section.split(".")
-        recs = run.records[start:]
-        if len(parts) == 1:
-            dicts = [r.get(section) for r in recs]
-        elif len(parts) == 2:
-            a, b = parts
-            dicts = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
-        else:
-            dicts = [_get(r, parts) for r in recs]
+        dicts = _values_at(run.records[start:], section.split("."))
         # Records mostly share one key layout: collect the distinct layouts (in first-seen order) and
         # merge those, instead of visiting every key of every record.
         for layout in dict.fromkeys(tuple(d) for d in dicts if type(d) is dict):
