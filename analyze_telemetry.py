@@ -87,15 +87,65 @@ def load_run(path, progress: bool = True) -> Run:
     return run
 
 
+# The run.json fields this reader uses and the type each must have. A field of another type is left
+# out (with a notice) and the rest of run.json is still used.
+META_FIELDS = ((("starts",), list), (("groups",), dict), (("parameters", "trainable"), int),
+               (("holdout", "examples"), int))
+
+
 def read_meta(run: Run) -> None:
     meta_file = run.path / RUN_FILE
     if not meta_file.is_file():
         return
     try:
         meta = _DECODER.decode(meta_file.read_text(encoding="utf-8"))
-        run.meta = meta if isinstance(meta, dict) else {}
-    except (ValueError, OSError) as exc:
-        _notice(run, f"{RUN_FILE} unreadable ({exc}); going on without run metadata")
+    except (ValueError, OSError, RecursionError) as exc:
+        run.meta = {}
+        _notice(run, f"{RUN_FILE} unreadable ({_first_line(exc)}); going on without run metadata")
+        return
+    if not isinstance(meta, dict):
+        run.meta = {}
+        _notice(run, f"{RUN_FILE} holds {_kind(meta)}, not an object; going on without run metadata")
+        return
+    for path, kind in META_FIELDS:
+        value = _get(meta, path)
+        if value is not None and not _has_type(value, kind):
+            _notice(run, f"{RUN_FILE}: {'.'.join(path)} is {_kind(value)}, not {_kind(kind())}; left out")
+            del _get(meta, path[:-1])[path[-1]]
+    starts = meta.get("starts")
+    if starts is not None and not all(isinstance(t, str) for t in starts):
+        _notice(run, f"{RUN_FILE}: starts holds something other than timestamps; left out")
+        del meta["starts"]
+    run.meta = meta
+
+
+def _has_type(value, kind) -> bool:
+    """isinstance for JSON values, where a boolean is no number and an integer must fit in 64 bits."""
+    if kind is int:
+        return type(value) is int and -2 ** 63 <= value < 2 ** 63
+    return isinstance(value, kind)
+
+
+def _kind(value) -> str:
+    """A JSON value's type in words, for notices: never the value itself, which may be huge or deep."""
+    if type(value) is int and not -2 ** 63 <= value < 2 ** 63:
+        return "an integer beyond 64 bits"
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+             int: "an integer", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _text(value, limit: int = 200) -> str:
+    """A value from a record as a short, printable string (a non-string one by its type only)."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + "..."
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e18:
+        return repr(value)
+    return f"({_kind(value)})"
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).split("\n")[0][:120]
 
 
 @contextlib.contextmanager
@@ -138,14 +188,17 @@ def read_new_records(run: Run, final: bool, progress: bool = False) -> int:
         obj, err = _parse_line(run.pending)
         if obj is not None:
             _add_record(run, obj, line_no)
-        else:
+        elif run.pending.lstrip().startswith(b"{"):
             _notice(run, f"line {line_no}: torn last line (unterminated, {err}); skipped, "
                          f"{len(run.records)} earlier records kept")
+        else:
+            _notice(run, f"line {line_no}: {len(run.pending):,} bytes of garbage after the last record "
+                         f"({err}); skipped")
         run.lines += 1
         run.pending = b""
     if final:
         for schema, count in run.other_schemas.items():
-            _notice(run, f"{count} record(s) have schema {schema!r}; this reader knows schema "
+            _notice(run, f"{count} record(s) have schema {schema}; this reader knows schema "
                          f"{SCHEMA_VERSION} and reads the keys it recognises")
         run.other_schemas = {}
     return len(run.records) - before
@@ -233,7 +286,7 @@ def holdout_logits_of(h: dict):
     if isinstance(lg, bytes):
         try:
             lg = _DECODER.decode(lg.decode("ascii"))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             lg = None
         h["logits"] = lg
     return lg if isinstance(lg, list) else None
@@ -255,16 +308,39 @@ def _parse_object(raw: bytes):
     try:
         obj = _DECODER.decode(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        return None, str(exc).split("\n")[0][:120]
+        return None, _first_line(exc)
+    except RecursionError:
+        return None, "nested too deeply"
     return (obj, None) if isinstance(obj, dict) else (None, f"a JSON {type(obj).__name__}, not an object")
 
 
+# Top-level record fields that checks read as a whole, and the type each must have. A field of another
+# type is dropped from its record (with a notice), so no check meets it; values inside sections are
+# read through _num and isinstance tests instead.
+RECORD_FIELDS = {
+    **dict.fromkeys(("gradient_norm", "weight_delta", "learning_rates", "update_ratio", "drift", "weight_norm",
+                     "holdout_logits", "batch_stats", "layer_stats", "lora", "system", "param_change",
+                     "sparse_quality", "errors"), dict),
+    **dict.fromkeys(("alerts", "nonfinite", "nonfinite_params"), list),
+    "timestamp": str,
+}
+
+
 def _add_record(run: Run, rec: dict, line_no: int) -> None:
+    for key, kind in RECORD_FIELDS.items():
+        value = rec.get(key)
+        if value is not None and not isinstance(value, kind):
+            _notice(run, f"line {line_no}: {key} is {_kind(value)}, not {_kind(kind())}; left out")
+            del rec[key]
     schema = rec.get("schema")
     if schema != SCHEMA_VERSION:
+        schema = _text(schema, 40)
         run.other_schemas[schema] = run.other_schemas.get(schema, 0) + 1
     step = rec.get("step")
-    if not isinstance(step, int) or isinstance(step, bool):
+    if not _has_type(step, int):
+        if step is not None:
+            _notice(run, f"line {line_no}: step is {_kind(step)}, not an integer; numbered after the "
+                         "previous record")
         # Older writers had no global step; number the records so plots still have an x axis.
         step = (run.records[-1]["step"] + 1) if run.records else 1
         rec["step"] = step
@@ -283,9 +359,15 @@ def _get(rec, parts):
 
 
 def _num(v) -> float:
+    """A record value as a float; NaN when it is absent, not a number, or out of float range (the
+    writer stores NaN/Inf as null, so a literal like 1e400 is damage, not a measurement)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return math.nan
-    return float(v)
+    try:
+        v = float(v)
+    except OverflowError:
+        return math.nan
+    return v if math.isfinite(v) else math.nan
 
 
 _PLAIN_NUMBER_TYPES = {float, int, type(None)}
@@ -336,8 +418,11 @@ def _column_values(recs: list, key) -> np.ndarray:
     try:
         if not set(map(type, vals)) <= _PLAIN_NUMBER_TYPES:
             raise TypeError
-        return np.array(vals, dtype=float).reshape(len(vals))   # None -> nan
-    except (TypeError, ValueError):
+        arr = np.array(vals, dtype=float).reshape(len(vals))   # None -> nan
+        if not np.isfinite(arr[~np.isnan(arr)]).all():   # 1e400 in the file: damage, as in _num
+            raise ValueError
+        return arr
+    except (TypeError, ValueError, OverflowError):
         return np.fromiter((_num(v) for v in vals), dtype=float, count=len(vals))
 
 
@@ -355,7 +440,7 @@ def nonfinite_at(run: Run, path: str) -> np.ndarray:
             nf = r.get("nonfinite")
             if isinstance(nf, list):
                 for p in nf:
-                    index.setdefault(str(p), []).append(i)
+                    index.setdefault(_text(p), []).append(i)
         return index
     mask = np.zeros(len(run.records), dtype=bool)
     mask[_grown(run, "nonfinite", extend).get(path, [])] = True
@@ -408,7 +493,8 @@ def _holdout(run: Run) -> Holdout | None:
     rows = [(r["step"], h) for r in run.records if isinstance(h := r.get("holdout_logits"), dict)]
     if not rows:
         return None
-    kinds = [h.get("kind") or ("lm" if "nll" in h else "classification") for _, h in rows]
+    kinds = [k if isinstance(k := h.get("kind"), str) and k else ("lm" if "nll" in h else "classification")
+             for _, h in rows]
     kind = max(set(kinds), key=kinds.count)
     rows = [row for row, k in zip(rows, kinds) if k == kind]
     n, keep, correct = _holdout_matrix(rows, kind)
@@ -433,7 +519,7 @@ def _holdout_matrix(rows: list, kind: str):
     # One array conversion for all evaluations, not one per record: this is the slow part on big runs.
     if kind == "classification":
         pairs = [(h.get("labels"), h.get("predictions")) for _, h in rows]
-        sizes = [len(a) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else 0
+        sizes = [len(a) if _is_class_list(a) and _is_class_list(b) and len(a) == len(b) else 0
                  for a, b in pairs]
     else:
         toks = [h.get("token_accuracy") for _, h in rows]
@@ -451,13 +537,19 @@ def _holdout_matrix(rows: list, kind: str):
         return n, [], None
 
 
+def _is_class_list(v) -> bool:
+    """A list of class indices: integers (no booleans) that fit in 32 bits."""
+    return isinstance(v, list) and set(map(type, v)) <= {int} and (not v or -2 ** 31 <= min(v) and max(v) < 2 ** 31)
+
+
 def _holdout_classes(rows: list, keep: list):
     """(number of classes, labels of the last evaluation in `keep`) of a classification holdout."""
     num_classes = labels = None
     for _, h in reversed(rows):
         nc = h.get("num_classes")
-        lg = holdout_logits_of(h) if not isinstance(nc, int) else None
-        if isinstance(nc, int) and nc >= 2:
+        nc = nc if _has_type(nc, int) and nc < 2 ** 31 else None
+        lg = holdout_logits_of(h) if nc is None else None
+        if nc is not None and nc >= 2:
             num_classes = nc
         elif isinstance(lg, list) and lg and isinstance(lg[0], list) and len(lg[0]) >= 2:
             num_classes = len(lg[0])
@@ -480,15 +572,23 @@ def train_accuracy_key(run: Run):
     return None
 
 
-def flat_record(rec: dict, prefix: str = "", out: dict = None) -> dict:
+def flat_record(rec: dict) -> dict:
     """Nested sections become dotted columns; lists (logits, labels, alerts...) are left out."""
-    out = {} if out is None else out
-    for k, v in rec.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            flat_record(v, key + ".", out)
-        elif not isinstance(v, (list, bytes)):   # bytes: holdout logits not yet decoded (a list too)
-            out[key] = v
+    out = {}
+    # Depth first in key order, on a stack of iterators rather than by recursion: a damaged record may
+    # nest hundreds deep.
+    stack = [("", iter(rec.items()))]
+    while stack:
+        prefix, items = stack[-1]
+        for k, v in items:
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                stack.append((key + ".", iter(v.items())))
+                break
+            if not isinstance(v, (list, bytes)):   # bytes: holdout logits not yet decoded (a list too)
+                out[key] = v
+        else:
+            stack.pop()
     return out
 
 
@@ -607,7 +707,7 @@ def check_nonfinite(run: Run) -> list:
     for r in run.records:
         paths = r.get("nonfinite") if isinstance(r.get("nonfinite"), list) else []
         params = r.get("nonfinite_params") if isinstance(r.get("nonfinite_params"), list) else []
-        paths = [str(p) for p in paths] + [f"parameter {p}" for p in params]
+        paths = [_text(p) for p in paths] + [f"parameter {_text(p)}" for p in params]
         if paths:
             affected += 1
         for p in paths:
@@ -1271,10 +1371,11 @@ def check_telemetry_alerts(run: Run) -> list:
     alerts = {}
     for r in run.records:
         for a in r.get("alerts") or []:
-            if not isinstance(a, dict) or not a.get("code"):
+            if not isinstance(a, dict) or not isinstance(a.get("code"), str) or not a["code"]:
                 continue
-            key = (str(a["code"]), a.get("group"))
-            entry = alerts.setdefault(key, {"steps": [], "message": str(a.get("message", "")), "severity": "info"})
+            key = (a["code"], a.get("group") if isinstance(a.get("group"), str) else None)
+            entry = alerts.setdefault(key, {"steps": [], "message": _text(a.get("message", ""), 2000),
+                                            "severity": "info"})
             sev = a.get("severity") if a.get("severity") in SEVERITIES else "warning"
             if SEVERITIES.index(sev) > SEVERITIES.index(entry["severity"]):
                 entry["severity"] = sev
@@ -1294,7 +1395,7 @@ def check_metric_errors(run: Run) -> list:
         errs = r.get("errors")
         if isinstance(errs, dict):
             for section, text in errs.items():
-                e = errors.setdefault(section, {"steps": [], "message": str(text)})
+                e = errors.setdefault(section, {"steps": [], "message": _text(text, 2000)})
                 e["steps"].append(r["step"])
     if not errors:
         return []
@@ -1315,12 +1416,21 @@ CHECKS = (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_
           check_metric_errors)
 
 
+CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
+
+
 def diagnose(run: Run) -> list:
     """All findings for a run, most severe first."""
     findings = []
     with gc_paused():
         for check in CHECKS:
-            for f in check(run):
+            try:
+                found = check(run)
+            except Exception as exc:
+                _notice(run, f"{CHECK_FAILED} {check.__name__} ({type(exc).__name__}: {_first_line(exc)}); "
+                             "its findings are left out")
+                continue
+            for f in found:
                 if not (f.source == "telemetry" and _fold_alert(findings, f)):
                     findings.append(f)
     findings.sort(key=lambda f: (-SEVERITIES.index(f.severity), f.steps[0] if f.steps else 0))
@@ -1959,7 +2069,7 @@ def write_report(results, written, skipped, out_dir: Path) -> Path:
                      + "".join(f"<li>{e(n)}: {e(w)}</li>" for n, w in skipped) + "</ul>")
     parts.append("</body></html>")
     path = out_dir / "report.html"
-    path.write_text("\n".join(parts), encoding="utf-8")
+    path.write_text("\n".join(parts), encoding="utf-8", errors="backslashreplace")
     return path
 
 
@@ -1971,7 +2081,7 @@ def write_csv(runs, path) -> int:
         all_cols.update(dict.fromkeys(cols))
         all_rows += [(run.name, r) for r in rows]
     columns = (["run"] if len(runs) > 1 else []) + list(all_cols)
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with open(path, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
         w = csv.writer(f)
         w.writerow(columns)
         for name, row in all_rows:
@@ -1998,7 +2108,7 @@ def export_tensorboard(runs, log_dir) -> str:
         writer = SummaryWriter(log_dir=str(Path(log_dir) / run.name) if len(runs) > 1 else str(log_dir))
         for rec in run.records:
             for k, v in flat_record(rec).items():
-                if k in ("step", "schema") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                if k in ("step", "schema") or not math.isfinite(_num(v)):
                     continue
                 writer.add_scalar(k.replace(".", "/"), v, global_step=rec["step"])
                 count += 1
@@ -2051,10 +2161,17 @@ def _analyze(runs, args, want_plots):
     return results, where
 
 
+def _emit(text: str, file=None, **kwargs) -> None:
+    """print, with what the stream cannot encode (a lone surrogate from a damaged record) escaped."""
+    file = file or sys.stdout
+    encoding = getattr(file, "encoding", None) or "utf-8"
+    print(text.encode(encoding, "backslashreplace").decode(encoding), file=file, **kwargs)
+
+
 def _print_where(where, stream):
     out, report, written, skipped = where
     for name, why in skipped:
-        print(f"skipped {name}: {why}", file=stream)
+        _emit(f"skipped {name}: {why}", file=stream)
     print(f"wrote {len(written)} plot(s) and {report} (plots in {out})", file=stream)
 
 
@@ -2071,7 +2188,7 @@ def watch(runs, args, want_plots) -> int:
         results, where = _analyze(runs, args, want_plots and any(r.records for r in runs))
         for run, findings, _ in results:
             for n in run.notices[notices_shown[run.name]:]:
-                print(f"[{run.name}] notice: {n}", flush=True)
+                _emit(f"[{run.name}] notice: {n}", flush=True)
             notices_shown[run.name] = len(run.notices)
             for f in findings:
                 # Keyed with the severity, so a warning that turns critical is told once more.
@@ -2079,7 +2196,7 @@ def watch(runs, args, want_plots) -> int:
                 if key not in seen:
                     seen.add(key)
                     step = run.records[-1]["step"] if run.records else "?"
-                    print(f"[{run.name}] step {step}: {f.severity.upper()} {f.code}: {f.message}", flush=True)
+                    _emit(f"[{run.name}] step {step}: {f.severity.upper()} {f.code}: {f.message}", flush=True)
         return results, where
 
     first = True
@@ -2135,7 +2252,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(findings_json(results), indent=1, default=float, allow_nan=False))
     else:
-        print(format_text(results))
+        _emit(format_text(results))
     if where:
         _print_where(where, info)
     if args.tensorboard:
