@@ -55,6 +55,10 @@ class Run:
     pending: bytes = b""         # an incomplete last line, kept until its newline arrives
     other_schemas: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)
+    # Where a process started again on this run directory, or another run was appended: one dict per
+    # restart, {"step", "start" (index into run.json's starts; None when only the step went back),
+    # "index" (its first record)}. Series findings never compare across one (see segment_ids).
+    restarts: list = field(default_factory=list)
 
 
 def _reject_constant(name):
@@ -174,7 +178,7 @@ def read_new_records(run: Run, final: bool, progress: bool = False) -> int:
     except OSError:
         return 0
     if size < run.offset:   # the file was replaced: start over
-        run.records, run.offset, run.lines, run.pending, run.cache = [], 0, 0, b"", {}
+        run.records, run.offset, run.lines, run.pending, run.cache, run.restarts = [], 0, 0, b"", {}, []
         _notice(run, f"{RECORD_FILE} shrank; reading it again from the start")
     before = len(run.records)
     started = time.monotonic()
@@ -344,10 +348,39 @@ def _add_record(run: Run, rec: dict, line_no: int) -> None:
         # Older writers had no global step; number the records so plots still have an x axis.
         step = (run.records[-1]["step"] + 1) if run.records else 1
         rec["step"] = step
-    elif run.records and step < run.records[-1]["step"]:
-        _notice(run, f"line {line_no}: step goes back from {run.records[-1]['step']} to {step} "
-                     "(a restart that reset the counter?)")
+    _note_restart(run, rec, line_no)
     run.records.append(rec)
+
+
+def _note_restart(run: Run, rec: dict, line_no: int) -> None:
+    """A record that opens a process start (`"start": k`, k >= 1 for a resume) or whose step goes back
+    (another run appended without a marker) begins a new segment of the run."""
+    start = rec.get("start")
+    if start is not None and not (_has_type(start, int) and start >= 0):
+        _notice(run, f"line {line_no}: start is {_kind(start)}, not an index into {RUN_FILE}'s starts; ignored")
+        del rec["start"]
+        start = None
+    prev = run.records[-1]["step"] if run.records else None
+    if start is not None and (start >= 1 or prev is not None):
+        run.restarts.append({"step": rec["step"], "start": start, "index": len(run.records)})
+    elif prev is not None and rec["step"] < prev:
+        _notice(run, f"line {line_no}: step goes back from {prev} to {rec['step']} with no restart marker "
+                     "(another run appended to this file?); read as a new segment")
+        run.restarts.append({"step": rec["step"], "start": None, "index": len(run.records)})
+
+
+def segment_ids(run: Run) -> np.ndarray:
+    """Per record, the index of its segment: the stretch between restarts. Rolling windows and
+    start-versus-end comparisons (loss spikes, gradient jumps, growth and shrinking, forgetting) judge
+    each segment alone: a resume reloads state and may change the batch size or the learning rate, and
+    an appended run is another training altogether."""
+    firsts = [r["index"] for r in run.restarts if r["index"] > 0]
+    return np.searchsorted(np.array(firsts, dtype=int), np.arange(len(run.records)), side="right")
+
+
+def _pieces(seg: np.ndarray) -> list:
+    """Index arrays of the stretches of equal segment id in `seg` (a series' segment ids)."""
+    return np.split(np.arange(len(seg)), np.flatnonzero(np.diff(seg)) + 1) if len(seg) else []
 
 
 def _get(rec, parts):
@@ -471,15 +504,18 @@ def has_values(run: Run, key: str) -> bool:
 @dataclass
 class Holdout:
     """A run's holdout evaluations as arrays (those of its most common kind)."""
-    kind: str                     # "classification" or "lm"
+    kind: str                     # "classification", "lm" or "regression"
     steps: np.ndarray             # step of each evaluation
-    accuracy: np.ndarray          # per evaluation, NaN where absent
-    loss: np.ndarray
+    accuracy: np.ndarray          # per evaluation, NaN where absent (always, for regression)
+    loss: np.ndarray              # mean squared error, for regression
+    mae: np.ndarray               # mean absolute error (regression only; NaN otherwise)
     n: int                        # examples per evaluation
     num_classes: int | None
     labels: np.ndarray | None     # labels of the last evaluation that has per-example data
     matrix_steps: np.ndarray      # the steps of the columns of `correct`
-    correct: np.ndarray | None    # examples x evaluations: right/wrong, or LM per-example token accuracy
+    matrix_segments: np.ndarray   # the segment (see segment_ids) of each column of `correct`
+    # examples x evaluations: right/wrong, LM per-example token accuracy, or regression absolute error
+    correct: np.ndarray | None
     predictions_last: list        # predictions of the last (up to) three evaluations with per-example data
     raw: list                     # each evaluation's holdout_logits dict
 
@@ -490,13 +526,15 @@ def holdout_data(run: Run) -> Holdout | None:
 
 
 def _holdout(run: Run) -> Holdout | None:
-    rows = [(r["step"], h) for r in run.records if isinstance(h := r.get("holdout_logits"), dict)]
-    if not rows:
+    picked = [i for i, r in enumerate(run.records) if isinstance(r.get("holdout_logits"), dict)]
+    if not picked:
         return None
+    rows = [(run.records[i]["step"], run.records[i]["holdout_logits"]) for i in picked]
     kinds = [k if isinstance(k := h.get("kind"), str) and k else ("lm" if "nll" in h else "classification")
              for _, h in rows]
     kind = max(set(kinds), key=kinds.count)
     rows = [row for row, k in zip(rows, kinds) if k == kind]
+    segments = segment_ids(run)[[i for i, k in zip(picked, kinds) if k == kind]]
     n, keep, correct = _holdout_matrix(rows, kind)
     num_classes, labels = _holdout_classes(rows, keep) if kind == "classification" else (None, None)
     return Holdout(
@@ -504,10 +542,12 @@ def _holdout(run: Run) -> Holdout | None:
         steps=np.array([s for s, _ in rows], dtype=float),
         accuracy=np.array([_num(h.get("accuracy")) for _, h in rows]),
         loss=np.array([_num(h.get("loss")) for _, h in rows]),
+        mae=np.array([_num(h.get("mae")) for _, h in rows]),
         n=n or _get(run.meta, ["holdout", "examples"]) or 0,
         num_classes=num_classes,
         labels=labels,
         matrix_steps=np.array([rows[i][0] for i in keep], dtype=float),
+        matrix_segments=segments[keep],
         correct=correct,
         predictions_last=[rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
         raw=[h for _, h in rows])
@@ -515,14 +555,15 @@ def _holdout(run: Run) -> Holdout | None:
 
 def _holdout_matrix(rows: list, kind: str):
     """(examples per evaluation, indices of the evaluations of that size, their examples x evaluations
-    matrix): `correct` for classification, per-example token accuracy for language models."""
+    matrix): `correct` for classification, per-example token accuracy for language models, per-example
+    absolute error for regression."""
     # One array conversion for all evaluations, not one per record: this is the slow part on big runs.
     if kind == "classification":
         pairs = [(h.get("labels"), h.get("predictions")) for _, h in rows]
         sizes = [len(a) if _is_class_list(a) and _is_class_list(b) and len(a) == len(b) else 0
                  for a, b in pairs]
     else:
-        toks = [h.get("token_accuracy") for _, h in rows]
+        toks = [h.get("abs_error" if kind == "regression" else "token_accuracy") for _, h in rows]
         sizes = [len(t) if isinstance(t, list) else 0 for t in toks]
     nonzero = [k for k in sizes if k]
     n = max(set(nonzero), key=nonzero.count) if nonzero else 0
@@ -881,44 +922,60 @@ def check_not_learning(run: Run) -> list:
 
 
 def _grad_series(run: Run):
+    """(steps, norms, segment ids) of the collections with a positive overall gradient norm (the groups'
+    norms combined where no overall was recorded); (None, None, None) without gradient norms."""
     g = column(run, "gradient_norm.overall")
     if not has_values(run, "gradient_norm.overall"):
         groups = _groups(run, "gradient_norm")
         if not groups:
-            return None, None
+            return None, None, None
         stack = np.vstack([column(run, ("gradient_norm", k)) for k in groups])
         with np.errstate(invalid="ignore"):
             g = np.sqrt(np.nansum(stack ** 2, axis=0))
         g[np.all(~np.isfinite(stack), axis=0)] = np.nan
     ok = np.isfinite(g) & (g > 0)
-    return steps(run)[ok], g[ok]
+    return steps(run)[ok], g[ok], segment_ids(run)[ok]
 
 
-def _gradient_trend(run: Run):
-    """(steps, norms, median of the first fifth, median of the last fifth) of the overall gradient norm,
-    or None with fewer than 6 usable collections."""
-    st, g = _grad_series(run)
-    if g is None or len(g) < 6:
-        return None
-    return st, g, _edge_median(g, "first"), _edge_median(g, "last")
+@dataclass
+class Trend:
+    """The gradient norm over one segment, with the medians of its first and last fifths."""
+    steps: np.ndarray
+    norms: np.ndarray
+    head: float
+    tail: float
+    segment: int
+    where: str      # "" for a run without restarts, else which stretch of steps it is
 
 
-def _grad_growth(run: Run, st, g, head, tail):
-    growth = tail / head
+def _gradient_trends(run: Run) -> list:
+    """A Trend per segment with 6 or more usable collections."""
+    st, g, seg = _grad_series(run)
+    if g is None:
+        return []
+    pieces = _pieces(seg)
+    return [Trend(st[i], g[i], _edge_median(g[i], "first"), _edge_median(g[i], "last"), int(seg[i[0]]),
+                  "" if len(pieces) == 1 else f" (steps {int(st[i[0]])}-{int(st[i[-1]])})")
+            for i in pieces if len(i) >= 6]
+
+
+def _grad_growth(t: Trend):
+    growth = t.tail / t.head
     if growth < 10:
         return None
-    k = max(3, int(math.ceil(0.2 * len(g))))
-    return (f"the gradient norm grew {growth:.0f}x, from median {_fmt(head)} in the first fifth of the run to "
-            f"{_fmt(tail)} in the last", [int(st[-k])])
+    k = max(3, int(math.ceil(0.2 * len(t.norms))))
+    return (f"the gradient norm grew {growth:.0f}x, from median {_fmt(t.head)} in the first fifth of the run to "
+            f"{_fmt(t.tail)} in the last{t.where}", [int(t.steps[-k])])
 
 
-def _grad_jumps(run: Run, st, g, head, tail):
+def _grad_jumps(t: Trend):
+    g, st = t.norms, t.steps
     med, _ = _prev_window_stats(g, 20, 5, with_mad=False)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = g / med
     # Near convergence the norm can wobble 100x around ~0; only jumps that matter on the run's
     # starting scale count.
-    spikes = np.where((ratio >= 20) & (g >= 0.1 * head))[0]
+    spikes = np.where((ratio >= 20) & (g >= 0.1 * t.head))[0]
     if not len(spikes):
         return None
     worst = spikes[np.argmax(ratio[spikes])]
@@ -926,7 +983,7 @@ def _grad_jumps(run: Run, st, g, head, tail):
             f"({ratio[worst]:.0f}x) at step {int(st[worst])}", [int(st[i]) for i in spikes])
 
 
-def _blown_up_loss(run: Run, st, g, head, tail):
+def _blown_up_loss(run: Run, st, g):
     """A blow-up before the first collection shows as a loss far above the chance level log(C)
     together with gradients far above the rest of the run."""
     h = holdout_data(run)
@@ -949,38 +1006,31 @@ def _blown_up_loss(run: Run, st, g, head, tail):
 
 
 def check_exploding_gradients(run: Run) -> list:
-    trend = _gradient_trend(run)
-    if trend is None:
+    st, g, _ = _grad_series(run)
+    if g is None or len(g) < 6:
         return []
-    parts, where = [], []
-    for rule in (_grad_growth, _grad_jumps, _blown_up_loss):
-        found = rule(run, *trend)
-        if found:
-            parts.append(found[0])
-            where += found[1]
-    if not parts:
+    found = [rule(t) for t in _gradient_trends(run) for rule in (_grad_growth, _grad_jumps)]
+    found = [f for f in found + [_blown_up_loss(run, st, g)] if f]
+    if not found:
         return []
     return [Finding(
-        "exploding_gradients", "warning", "; ".join(parts) + ".", _steps_list(sorted(where)),
+        "exploding_gradients", "warning", "; ".join(text for text, _ in found) + ".",
+        _steps_list(sorted(s for _, where in found for s in where)),
         hint="Lower the learning rate, add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, and "
              "check for unnormalised inputs or a loss that can blow up.")]
 
 
-def _shrinking_gradient(run: Run):
-    trend = _gradient_trend(run)
-    if trend is None:
-        return None
-    st, _, head, tail = trend
-    growth = tail / head
-    loss = _finite(column(run, "loss"))
+def _shrinking_gradient(run: Run, t: Trend):
+    growth = t.tail / t.head
+    loss = _finite(column(run, "loss")[segment_ids(run) == t.segment])
     loss_converged = len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
     if growth > 1e-3 or loss_converged:
         return None
     return Finding(
         "vanishing_gradients", "warning",
-        f"the gradient norm shrank {1 / growth:,.0f}x, from median {_fmt(head)} to {_fmt(tail)}, "
-        "while the loss did not converge.",
-        _steps_list([st[0], st[-1]]),
+        f"the gradient norm shrank {1 / growth:,.0f}x, from median {_fmt(t.head)} to {_fmt(t.tail)}, "
+        f"while the loss did not converge{t.where}.",
+        _steps_list([t.steps[0], t.steps[-1]]),
         hint="Check saturating activations, too-deep plain stacks (add residuals/normalisation), an "
              "initialisation that is too small, or a learning-rate schedule that decays to ~0.")
 
@@ -1009,18 +1059,14 @@ def _starved_layers(run: Run):
 
 
 def check_vanishing_gradients(run: Run) -> list:
-    return [f for f in (_shrinking_gradient(run), _starved_layers(run)) if f is not None]
+    found = [_shrinking_gradient(run, t) for t in _gradient_trends(run)] + [_starved_layers(run)]
+    return [f for f in found if f is not None]
 
 
-def check_loss_spikes(run: Run) -> list:
-    loss = column(run, "loss")
-    ok = np.isfinite(loss)
-    x, st = loss[ok], steps(run)[ok]
-    if len(x) < 12:
-        return []
+def _loss_spikes(x: np.ndarray, positive: bool):
+    """(spike indices, recent median per point) of one uninterrupted stretch of batch losses."""
     # Batch losses vary multiplicatively (late in training one hard example moves a batch's loss 10x),
     # so judge jumps on a log scale when the loss is positive, against the previous 50 batches.
-    positive = bool(np.all(x > 0))
     y = np.log(x) if positive else x
     med, _ = _prev_window_stats(y, 50, 10, with_mad=False)
     # The noise scale comes from batch-to-batch differences, so a falling loss (a trend) does not pass
@@ -1034,9 +1080,22 @@ def check_loss_spikes(run: Run) -> list:
         # far outside the recent noise, at least double the recent level, and visible on the run's scale
         spike = ((y - med) > (6 if positive else 8) * sigma) & (x > 2 * np.abs(recent)) \
             & (x - recent > 0.05 * scale)
-    idx = np.where(spike)[0]
-    if not len(idx):
+    return np.where(spike)[0], recent
+
+
+def check_loss_spikes(run: Run) -> list:
+    loss = column(run, "loss")
+    ok = np.isfinite(loss)
+    x, st, seg = loss[ok], steps(run)[ok], segment_ids(run)[ok]
+    positive = bool(np.all(x > 0))
+    idx, recent = [], np.full(len(x), np.nan)
+    for part in _pieces(seg):   # the window starts again after each restart
+        if len(part) >= 12:
+            found, recent[part] = _loss_spikes(x[part], positive)
+            idx += list(part[found])
+    if not idx:
         return []
+    idx = np.array(idx)
     events = [idx[0]] + [b for a, b in zip(idx[:-1], idx[1:]) if b > a + 1]
     worst = idx[np.argmax(x[idx] / np.maximum(np.abs(recent[idx]), 1e-12))]
     return [Finding(
@@ -1119,9 +1178,11 @@ def _smooth3(x: np.ndarray) -> np.ndarray:
 
 
 def _example_losses(h: dict):
-    """Per-example holdout loss of one evaluation (from logits or LM nll), or None."""
-    if isinstance(h.get("nll"), list):
-        return np.array([_num(v) for v in h["nll"]])
+    """Per-example holdout loss of one evaluation (LM nll, regression squared error, or from the
+    classification logits), or None."""
+    for key in ("nll", "squared_error"):
+        if isinstance(h.get(key), list):
+            return np.array([_num(v) for v in h[key]])
     logits, labels = holdout_logits_of(h), h.get("labels")
     if not (isinstance(logits, list) and isinstance(labels, list) and logits and len(logits) == len(labels)):
         return None
@@ -1130,7 +1191,7 @@ def _example_losses(h: dict):
         y = np.array(labels, dtype=int)
         z = z - z.max(axis=1, keepdims=True)
         return -(z[np.arange(len(y)), y] - np.log(np.exp(z).sum(axis=1)))
-    except (ValueError, IndexError, TypeError):
+    except (ValueError, IndexError, TypeError, OverflowError):
         return None
 
 
@@ -1235,10 +1296,12 @@ def check_overfitting(run: Run) -> list:
              "augmentation), use more data or a smaller model.")]
 
 
-def _forgetting_stats(correct: np.ndarray) -> dict:
-    events = correct[:, :-1] & ~correct[:, 1:]
+def _forgetting_stats(correct: np.ndarray, same: np.ndarray) -> dict:
+    """Forgetting counts of an examples x collections right/wrong matrix; `same` marks the pairs of
+    successive collections inside one segment (a change across a restart is no event)."""
+    events = correct[:, :-1] & ~correct[:, 1:] & same
     per_example = events.sum(axis=1)
-    stable = (correct[:, :-1] & correct[:, 1:]).any(axis=1)
+    stable = (correct[:, :-1] & correct[:, 1:] & same).any(axis=1)
     lost = stable & ~correct[:, -1] & ~correct[:, -2]
     return {"events": int(events.sum()), "examples": int((per_example > 0).sum()), "learned": int(stable.sum()),
             "lost": int(lost.sum()), "first_steps": np.where(events.any(axis=0))[0]}
@@ -1250,7 +1313,7 @@ def check_forgetting(run: Run) -> list:
         return []
     correct = h.correct.astype(bool)
     n = correct.shape[0]
-    f = _forgetting_stats(correct)
+    f = _forgetting_stats(correct, h.matrix_segments[:-1] == h.matrix_segments[1:])
     if not f["events"]:
         return []
     st = h.matrix_steps
@@ -1295,6 +1358,8 @@ def check_class_imbalance(run: Run) -> list:
         return []
     names, m, sizes, st = bc
     h = holdout_data(run)
+    if h and h.kind == "regression":
+        return []   # the batch "labels" are regression targets, not classes
     k = len(names)
     if h and h.kind == "classification" and h.num_classes and h.num_classes <= 32:
         k = max(k, h.num_classes)
@@ -1461,12 +1526,8 @@ def summarize(run: Run, findings: list = None) -> dict:
     s["first_step"], s["last_step"] = int(st[0]), int(st[-1])
     epochs = _finite(column(run, "epoch"))
     s["epochs"] = int(epochs.max()) + 1 if len(epochs) else None
-    try:
-        t0 = datetime.fromisoformat(str(recs[0].get("timestamp")))
-        t1 = datetime.fromisoformat(str(recs[-1].get("timestamp")))
-        s["duration_s"] = round((t1 - t0).total_seconds(), 1)
-    except ValueError:
-        s["duration_s"] = None
+    s["duration_s"] = _duration_s(run)
+    s["restarts"] = _restarts(run)
     s["groups"] = _groups(run, "gradient_norm") or _groups(run, "learning_rates")
     s["trainable_parameters"] = _get(run.meta, ["parameters", "trainable"])
     loss = column(run, "loss")
@@ -1476,14 +1537,8 @@ def summarize(run: Run, findings: list = None) -> dict:
         s["train_acc_last"] = _edge_median(column(run, key), "last", 0.1)
     h = holdout_data(run)
     if h:
-        acc, hl = h.accuracy, h.loss
-        s["holdout_examples"] = int(h.n or 0)
-        s["holdout_acc_first"] = float(_finite(acc)[0]) if len(_finite(acc)) else None
-        s["holdout_acc_last"] = float(_finite(acc)[-1]) if len(_finite(acc)) else None
-        s["holdout_acc_best"] = float(np.max(_finite(acc))) if len(_finite(acc)) else None
-        s["holdout_loss_last"] = float(_finite(hl)[-1]) if len(_finite(hl)) else None
-        s["holdout_loss_best"] = float(np.min(_finite(hl))) if len(_finite(hl)) else None
-    _, g = _grad_series(run)
+        s.update(_holdout_summary(h))
+    _, g, _ = _grad_series(run)
     s["grad_norm_median"] = float(np.median(g)) if g is not None and len(g) else None
     wd = _finite(column(run, "weight_delta.overall"))
     s["weight_delta_median"] = float(np.median(wd)) if len(wd) else None
@@ -1500,6 +1555,49 @@ def summarize(run: Run, findings: list = None) -> dict:
     if findings is not None:
         s["findings"] = {sev: sum(f.severity == sev for f in findings) for sev in SEVERITIES}
     return s
+
+
+def _holdout_summary(h: Holdout) -> dict:
+    acc, loss, mae = _finite(h.accuracy), _finite(h.loss), _finite(h.mae)
+    s = {"holdout_examples": int(h.n or 0),
+         "holdout_acc_first": float(acc[0]) if len(acc) else None,
+         "holdout_acc_last": float(acc[-1]) if len(acc) else None,
+         "holdout_acc_best": float(np.max(acc)) if len(acc) else None,
+         "holdout_loss_last": float(loss[-1]) if len(loss) else None,
+         "holdout_loss_best": float(np.min(loss)) if len(loss) else None}
+    if len(mae):   # regression holdouts
+        s["holdout_mae_last"], s["holdout_mae_best"] = float(mae[-1]), float(np.min(mae))
+    return s
+
+
+def _time(rec: dict):
+    t = rec.get("timestamp")
+    try:
+        return datetime.fromisoformat(t) if isinstance(t, str) else None
+    except ValueError:
+        return None
+
+
+def _duration_s(run: Run):
+    """Seconds of training: each segment's first-to-last record time, summed, so the time between a stop
+    and the resume after it does not count. None when a segment's ends have no readable timestamp."""
+    total = 0.0
+    for part in _pieces(segment_ids(run)):
+        t0, t1 = _time(run.records[part[0]]), _time(run.records[part[-1]])
+        try:
+            total += (t1 - t0).total_seconds()
+        except TypeError:   # a timestamp missing, or one with a time zone and one without
+            return None
+    return round(total, 1)
+
+
+def _restarts(run: Run) -> list:
+    """Each restart: the step it began at, its index into run.json's starts (None when the step went back
+    without a marker) and that start's time."""
+    starts = run.meta.get("starts") or []
+    return [{"step": r["step"], "start": r["start"],
+             "time": starts[r["start"]] if r["start"] is not None and r["start"] < len(starts) else None}
+            for r in run.restarts]
 
 
 # ---- Plots ------------------------------------------------------------------------------------------
@@ -1633,6 +1731,8 @@ def plot_accuracy(runs, path):
     plt = _pyplot()
     if not any((h := holdout_data(r)) and np.isfinite(h.accuracy).any() for r in runs) \
             and not any(train_accuracy_key(r) for r in runs):
+        if any((h := holdout_data(r)) and h.kind == "regression" for r in runs):
+            return "the holdout is regression: no accuracy to draw (its mean squared error is in loss.png)"
         return "no holdout accuracy and no train accuracy scalar in any record"
     fig, ax = plt.subplots(figsize=(10, 4.5))
     chance_drawn = False
@@ -1736,12 +1836,14 @@ def plot_holdout_heatmap(runs, path):
             ax.set_title(_label(runs, run, "per-example holdout correctness (green = right, red = wrong)"),
                          fontsize=10)
         else:
+            what = "absolute error" if h.kind == "regression" else "token accuracy"
+            top = float(np.nanpercentile(mat, 99)) if h.kind == "regression" and np.isfinite(mat).any() else 1.0
             order = np.argsort(mat[:, -1])
             im = ax.imshow(mat[order][:, cols], aspect="auto", interpolation="nearest", cmap="viridis",
-                           vmin=0, vmax=1, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
-            fig.colorbar(im, ax=ax, label="token accuracy")
-            ax.set_ylabel("holdout example (sorted by final accuracy)")
-            ax.set_title(_label(runs, run, "per-example holdout token accuracy"), fontsize=10)
+                           vmin=0, vmax=top or 1.0, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
+            fig.colorbar(im, ax=ax, label=what)
+            ax.set_ylabel(f"holdout example (sorted by final {what.split()[-1]})")
+            ax.set_title(_label(runs, run, f"per-example holdout {what}"), fontsize=10)
         ax.set_xlabel("step")
     _save(fig, path, "Holdout examples over time")
     return None
@@ -1988,6 +2090,11 @@ def format_text(results) -> str:
             bits.append(f"grad norm ~{_fmt(s['grad_norm_median'])}")
         if bits:
             out.append("  " + " | ".join(bits))
+        if s.get("restarts"):
+            out.append("  restarts: " + ", ".join(
+                f"step {r['step']} (start {r['start']}" + (f", {r['time']}" if r["time"] else "") + ")"
+                if r["start"] is not None else f"step {r['step']} (the step went back; no restart marker)"
+                for r in s["restarts"]))
         for n in run.notices:
             out.append(f"  notice: {n}")
         if not run.records:
