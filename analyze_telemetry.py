@@ -12,7 +12,13 @@ by telemetry.py (the record format is the contract; this reader does not import 
     python analyze_telemetry.py RUN_DIR --watch         # follow a run while it trains (Ctrl-C to stop)
 
 Plots and the report go to RUN_DIR/analysis/ (several runs: FIRST_RUN/analysis/compare/) or --out.
-Pandas users: `from analyze_telemetry import to_dataframe; df = to_dataframe("runs/exp1")`.
+Pandas users: `from analyze_telemetry import to_dataframe; df = to_dataframe("runs/exp1")` (or a list of
+run directories: one frame, a `run` column tells them apart).
+
+A run resumed by another process (records carry `"start": k`, an index into run.json's `starts`) or with
+another run appended (the step goes back) is read in segments: findings that compare a collection with
+earlier ones never compare across a restart, and the duration leaves out the gaps between segments.
+Damaged files never stop the analysis: what cannot be read is a notice, naming the line.
 """
 
 from __future__ import annotations
@@ -643,11 +649,33 @@ def flat_rows(run: Run):
     return list(seen), rows
 
 
-def to_dataframe(run_dir):
-    """The run as a pandas DataFrame, one row per record (pandas is only needed for this helper)."""
+def merged_rows(runs):
+    """(columns, [(run name, row)]) of several runs: the union of their columns in first-seen order."""
+    all_cols, all_rows = {}, []
+    for run in runs:
+        cols, rows = flat_rows(run)
+        all_cols.update(dict.fromkeys(cols))
+        all_rows += [(run.name, r) for r in rows]
+    return list(all_cols), all_rows
+
+
+def to_dataframe(runs):
+    """One run directory (str or Path) or a list of them as one pandas DataFrame: a row per record, a
+    leading `run` column with the run's name, `timestamp` as datetimes (NaT where unreadable; in UTC when
+    records disagree on the time zone), the other columns named as in --csv. pandas is only needed here."""
     import pandas as pd
-    columns, rows = flat_rows(load_run(run_dir, progress=False))
-    return pd.DataFrame(rows, columns=columns)
+    dirs = [runs] if isinstance(runs, (str, Path)) else list(runs)
+    loaded = [load_run(d, progress=False) for d in dirs]
+    _unique_names(loaded)
+    columns, rows = merged_rows(loaded)
+    columns = ["run"] + [c for c in columns if c != "run"]   # the run's name wins over a scalar called "run"
+    df = pd.DataFrame([{**row, "run": name} for name, row in rows], columns=columns)
+    text = df["timestamp"].map(lambda v: v if isinstance(v, str) else None)
+    try:
+        df["timestamp"] = pd.to_datetime(text, errors="coerce", format="ISO8601")
+    except ValueError:   # time zones that differ between records: one common zone, UTC
+        df["timestamp"] = pd.to_datetime(text, errors="coerce", format="ISO8601", utc=True)
+    return df
 
 
 # ---- Diagnosis --------------------------------------------------------------------------------------
@@ -1454,14 +1482,57 @@ def check_telemetry_alerts(run: Run) -> list:
         for (code, group), a in alerts.items()]
 
 
-def check_metric_errors(run: Run) -> list:
+def _section_errors(run: Run) -> dict:
+    """{section: {"rows": record indices, "steps": their steps, "message": the first error}} from the
+    records' `errors` ({section: "ErrorType: message"}: telemetry.py records a failing section there
+    and goes on without it)."""
     errors = {}
-    for r in run.records:
+    for i, r in enumerate(run.records):
         errs = r.get("errors")
         if isinstance(errs, dict):
             for section, text in errs.items():
-                e = errors.setdefault(section, {"steps": [], "message": _text(text, 2000)})
+                e = errors.setdefault(section, {"rows": [], "steps": [], "message": _text(text, 2000)})
+                e["rows"].append(i)
                 e["steps"].append(r["step"])
+    return errors
+
+
+CORE_SECTIONS = ("holdout_logits", "gradient_norm", "weight_delta")
+
+
+def _failed_everywhere(run: Run, errors: dict) -> list:
+    """The core sections that failed at every collection where they were expected: every record,
+    except for weight_delta the first of each segment (no reference to compare with yet)."""
+    out = []
+    for section in CORE_SECTIONS:
+        if section not in errors:
+            continue
+        failed = np.zeros(len(run.records), dtype=bool)
+        failed[errors[section]["rows"]] = True
+        expected = np.ones(len(run.records), dtype=bool)
+        if section == "weight_delta":
+            expected[[p[0] for p in _pieces(segment_ids(run))]] = False
+        if expected.any() and failed[expected].all():
+            out.append(section)
+    return out
+
+
+def check_section_failed(run: Run) -> list:
+    errors = _section_errors(run)
+    return [Finding(
+        "section_failed", "critical",
+        f"{section} failed at every collection ({len(errors[section]['rows'])} of {len(run.records)} records), "
+        f"first at step {errors[section]['steps'][0]}: {errors[section]['message']}",
+        _steps_list(errors[section]["steps"]), group=section,
+        hint="Fix the cause shown: telemetry.py records a failing section and goes on without it, so this run "
+             "has none of it. Run with strict=True to get the traceback.")
+        for section in _failed_everywhere(run, errors)]
+
+
+def check_metric_errors(run: Run) -> list:
+    errors = _section_errors(run)
+    for section in _failed_everywhere(run, errors):
+        del errors[section]   # check_section_failed's finding
     if not errors:
         return []
     parts = [f"{s} failed in {len(e['steps'])} record(s) from step {e['steps'][0]} ({e['message']})"
@@ -1477,8 +1548,8 @@ def check_metric_errors(run: Run) -> list:
 # that they can fold into the analyzer's finding on the same problem.
 CHECKS = (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_groups, check_not_learning,
           check_exploding_gradients, check_vanishing_gradients, check_loss_spikes, check_holdout_at_chance,
-          check_overfitting, check_forgetting, check_class_imbalance, check_lora, check_telemetry_alerts,
-          check_metric_errors)
+          check_overfitting, check_forgetting, check_class_imbalance, check_lora, check_section_failed,
+          check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2182,12 +2253,8 @@ def write_report(results, written, skipped, out_dir: Path) -> Path:
 
 def write_csv(runs, path) -> int:
     """One flat row per record (a leading `run` column when several runs go into one file)."""
-    all_cols, all_rows = {}, []
-    for run in runs:
-        cols, rows = flat_rows(run)
-        all_cols.update(dict.fromkeys(cols))
-        all_rows += [(run.name, r) for r in rows]
-    columns = (["run"] if len(runs) > 1 else []) + list(all_cols)
+    all_cols, all_rows = merged_rows(runs)
+    columns = (["run"] if len(runs) > 1 else []) + all_cols
     with open(path, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
         w = csv.writer(f)
         w.writerow(columns)

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -531,23 +530,13 @@ def test_csv_round_trip(tmp_path):
     assert rows[0]["weight_delta.head"] == ""   # null on the first collection stays empty
 
 
-def test_to_dataframe_with_stub_pandas(tmp_path, monkeypatch):
-    captured = {}
-
-    def DataFrame(rows, columns):
-        captured.update(rows=rows, columns=columns)
-        return "frame"
-    monkeypatch.setitem(sys.modules, "pandas", types.SimpleNamespace(DataFrame=DataFrame))
-    path = write_run(tmp_path / "r", healthy_records(n=10))
-    assert at.to_dataframe(path) == "frame"
-    assert len(captured["rows"]) == 10 and captured["columns"][:2] == ["schema", "step"]
-    assert "gradient_norm.backbone" in captured["columns"]
-
-
 def test_to_dataframe_with_pandas(tmp_path):
     pd = pytest.importorskip("pandas")
-    df = at.to_dataframe(write_run(tmp_path / "r", healthy_records(n=10)))
+    recs = healthy_records(n=10)
+    df = at.to_dataframe(write_run(tmp_path / "r", recs))
     assert isinstance(df, pd.DataFrame) and len(df) == 10 and "holdout_logits.accuracy" in df.columns
+    assert list(df.columns[:3]) == ["run", "schema", "step"] and set(df["run"]) == {"r"}
+    assert list(df["gradient_norm.backbone"]) == [r["gradient_norm"]["backbone"] for r in recs]
 
 
 def test_compare_runs(tmp_path, capsys):

@@ -123,6 +123,75 @@ def test_runs_without_markers_are_one_segment(resumed, tmp_path):
     assert at.summarize(run)["restarts"] == [] and set(at.segment_ids(run)) == {0}
 
 
+# ---- a section that fails at every collection ------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:telemetry. holdout_logits failed")
+def test_check_fails_when_a_core_section_failed_at_every_collection(tmp_path, capsys):
+    # a holdout forward that can never work: 5 of the model's 6 input features
+    out = tmp_path / "broken"
+    lines = train_process(out, 6, seed=0, forward=lambda model, batch: model(batch[0][:, :5]))
+    first_error = json.loads(lines[0])["errors"]["holdout_logits"]
+    assert all("holdout_logits" in json.loads(line)["errors"] for line in lines)
+    assert at.main([str(out), "--check"]) == 1
+    text = capsys.readouterr().out
+    assert f"CRITICAL section_failed: holdout_logits failed at every collection (6 of 6 records), first at " \
+           f"step 1: {first_error}" in text
+    assert "metric_errors" not in text   # the one failure is told once, as the critical finding
+
+
+@pytest.mark.filterwarnings("ignore:telemetry. holdout_logits failed")
+def test_a_section_that_fails_sometimes_is_only_a_warning(tmp_path):
+    calls = []
+
+    def flaky(model, batch):   # every other evaluation fails
+        calls.append(1)
+        if len(calls) % 2:
+            raise RuntimeError("holdout batch on the wrong device")
+        return model(batch[0])
+    out = tmp_path / "flaky"
+    lines = train_process(out, 6, seed=0, forward=flaky)
+    failed = [json.loads(line)["step"] for line in lines if "holdout_logits" in json.loads(line).get("errors", {})]
+    assert len(failed) == 3
+    _, found = codes(out)
+    assert "section_failed" not in found
+    assert f"holdout_logits failed in 3 record(s) from step {failed[0]}" in found["metric_errors"].message
+
+
+def test_weight_delta_is_not_expected_at_a_segments_first_collection(resumed, tmp_path):
+    first, second, meta = resumed
+    recs = [dict(r) for r in first + second]
+    for r in recs:
+        if r is not recs[0] and r is not recs[len(first)]:   # each process's first record has no delta anyway
+            r["weight_delta"] = None
+            r["errors"] = {"weight_delta": "OSError: [Errno 28] No space left on device"}
+    run, found = codes(write_lines(tmp_path / "r", recs, meta))
+    f = found["section_failed"]
+    assert f.group == "weight_delta" and f"({len(recs) - 2} of {len(recs)} records)" in f.message
+    recs[5]["errors"] = {}   # one collection where it worked: not a failure at every collection
+    _, found = codes(write_lines(tmp_path / "r2", recs, meta))
+    assert "section_failed" not in found and "metric_errors" in found
+
+
+# ---- several runs as one DataFrame -------------------------------------------------------------------
+
+def test_to_dataframe_of_several_runs(resumed, tmp_path):
+    pd = pytest.importorskip("pandas")
+    first, second, meta = resumed
+    a = write_lines(tmp_path / "a", first, meta)
+    b = write_lines(tmp_path / "b", second, meta)
+    df = at.to_dataframe([a, str(b)])
+    assert len(df) == len(first) + len(second)
+    assert list(df["run"]) == ["a"] * len(first) + ["b"] * len(second)
+    assert df["timestamp"].dtype.kind == "M"
+    assert list(df["timestamp"]) == [pd.Timestamp(datetime.fromisoformat(r["timestamp"])) for r in first + second]
+    assert list(df["loss"]) == [r["loss"] for r in first + second]
+    assert at.main([str(a), str(b), "--csv", str(tmp_path / "both.csv")]) == 0
+    with open(tmp_path / "both.csv", newline="") as f:
+        assert list(df.columns) == next(csv.reader(f))   # the same names as --csv
+    one = at.to_dataframe(a)
+    assert len(one) == len(first) and set(one["run"]) == {"a"}
+
+
 # ---- regression holdouts ---------------------------------------------------------------------------
 
 def regression_run(out, n_train, lr, hidden, steps=120, every=4, batch=32):
