@@ -179,7 +179,7 @@ def mutate_meta(rng, meta_text: str) -> str:
 
 def with_rare_sections(lines):
     """The real records, plus the sections a healthy run seldom writes, in telemetry.py's format, so
-    that they are damaged too: the restart marker, an alert, a metric error, a non-finite value."""
+    that they are damaged too: restart markers, an alert, a metric error, a non-finite value."""
     recs = [json.loads(line) for line in lines]
     recs[0]["start"] = 0
     recs[5]["alerts"] = [{"code": "loss_spike", "severity": "warning", "message": "loss 9x its median",
@@ -187,12 +187,27 @@ def with_rare_sections(lines):
     recs[6]["errors"] = {"batch_stats": "TypeError: unsupported batch type list"}
     recs[7]["gradient_norm"]["group_0"] = None
     recs[7]["nonfinite"] = ["gradient_norm.group_0"]
+    recs[10]["start"] = 1   # a resume
+    return recs
+
+
+def as_regression(recs):
+    """The records with their holdout in the regression format (predicted class index as the output)."""
+    for r in recs:
+        h = r["holdout_logits"]
+        pred, target = [float(p) for p in h["predictions"]], [float(t) for t in h["labels"]]
+        sq = [(p - t) ** 2 for p, t in zip(pred, target)]
+        r["holdout_logits"] = {"kind": "regression", "outputs": 1, "predictions": pred, "targets": target,
+                               "squared_error": sq, "abs_error": [abs(p - t) for p, t in zip(pred, target)],
+                               "loss": sum(sq) / len(sq), "mae": sum(abs(p - t) for p, t in zip(pred, target)) / len(sq)}
     return recs
 
 
 def damaged_run(rng, lines, meta_text, path: Path):
     """Write one damaged copy of the real run to path: records, bytes and/or run.json mutated."""
     recs = with_rare_sections(lines)
+    if rng.random() < 0.2:
+        recs = as_regression(recs)
     out = [json.dumps(r) for r in recs]
     if rng.random() < 0.25:   # the same damage in every record, so checks that need many records see it
         where = random_path(rng, recs[0])
