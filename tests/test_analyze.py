@@ -289,6 +289,19 @@ def test_each_finding_code_triggers(tmp_path, code):
     assert any(ch.isdigit() for ch in f.message), "the message should carry the numbers that triggered it"
 
 
+def test_each_check_gives_one_code(tmp_path):
+    """Every analyzer check owns one finding code (telemetry's alerts keep the writer's codes)."""
+    by_check = {}
+    for code, (make, _) in SCENARIOS.items():
+        run = at.load_run(write_run(tmp_path / code, make(tmp_path)), progress=False)
+        for check in at.CHECKS:
+            if check is not at.check_telemetry_alerts:
+                by_check.setdefault(check.__name__, set()).update(f.code for f in check(run))
+    assert all(len(c) <= 1 for c in by_check.values()), by_check
+    owned = [c for codes_ in by_check.values() for c in codes_]
+    assert len(owned) == len(set(owned)) and len(owned) >= 14, by_check
+
+
 def test_finding_details(tmp_path):
     nonfinite = [f for f in findings_of(write_run(tmp_path / "nf", sc_nonfinite(tmp_path))) if f.code == "nonfinite"][0]
     assert nonfinite.steps[0] == 710 and "step 710" in nonfinite.message and nonfinite.group == "head"
