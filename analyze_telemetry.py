@@ -1686,7 +1686,13 @@ LINESTYLES = ["-", "--", ":", "-."]
 
 
 def _label(runs, run, what):
-    return what if len(runs) == 1 else f"{run.name}: {what}"
+    text = what if len(runs) == 1 else f"{run.name}: {what}"
+    return _escaped(text)   # the font renderer rejects a lone surrogate (from a damaged group name)
+
+
+def _escaped(text: str, encoding: str = "utf-8") -> str:
+    """text with what `encoding` cannot hold (lone surrogates) written as backslash escapes."""
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _auto_log(ax, arrays, axis="y"):
@@ -2338,8 +2344,7 @@ def _analyze(runs, args, want_plots):
 def _emit(text: str, file=None, **kwargs) -> None:
     """print, with what the stream cannot encode (a lone surrogate from a damaged record) escaped."""
     file = file or sys.stdout
-    encoding = getattr(file, "encoding", None) or "utf-8"
-    print(text.encode(encoding, "backslashreplace").decode(encoding), file=file, **kwargs)
+    print(_escaped(text, getattr(file, "encoding", None) or "utf-8"), file=file, **kwargs)
 
 
 def _print_where(where, stream):

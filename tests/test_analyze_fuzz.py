@@ -276,13 +276,14 @@ def test_damaged_runs_through_the_command_line(real_run, tmp_path):
     """A few damaged runs through the script itself, plots included: no traceback on stderr."""
     lines, meta_text = real_run
     rng = random.Random(SEED + 1)
-    for case in range(3):
+    for case in range(2):
         path = tmp_path / f"c{case}"
         damaged_run(rng, lines, meta_text, path)
-        flags = [["--out", str(path / "plots")], ["--json", "--check"], ["--csv", str(path / "x.csv")]][case]
+        flags = [["--out", str(path / "plots"), "--plots", "--csv", str(path / "x.csv")], ["--json", "--check"]][case]
         proc = subprocess.run([sys.executable, str(ROOT / "analyze_telemetry.py"), str(path), *flags],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "c0" / "plots" / "report.html").is_file() and (tmp_path / "c0" / "x.csv").is_file()
 
 
 # ---- damage, case by case ------------------------------------------------------------------------
@@ -365,6 +366,8 @@ def test_lone_surrogates_reach_csv_and_terminal_escaped(real_run, tmp_path):
                           capture_output=True, timeout=120)
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr
     assert b"label \\ud800" in proc.stdout   # the metric_errors finding, escaped
+    run = at.load_run(path, progress=False)
+    assert at.plot_gradient_norm([run], tmp_path / "g.png") is None   # drawn, the legend escaped
 
 
 def test_a_check_that_raises_costs_only_its_own_findings(real_run, tmp_path, monkeypatch):
