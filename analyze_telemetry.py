@@ -1984,7 +1984,7 @@ def plot_layer_heatmap(runs, path):
         fig.colorbar(im, ax=ax, label="gradient norm (log)")
         if len(layers) <= 60:
             ax.set_yticks(range(len(layers)))
-            ax.set_yticklabels([k if len(k) <= 40 else "..." + k[-37:] for k in layers], fontsize=6)
+            ax.set_yticklabels([_escaped(k if len(k) <= 40 else "..." + k[-37:]) for k in layers], fontsize=6)
         ax.set_ylabel("layer")
         ax.set_xlabel("step")
         ax.set_title(_label(runs, run, "per-layer gradient norm (grey = zero or absent)"), fontsize=10)
@@ -2083,9 +2083,9 @@ def plot_system(runs, path):
             if ok.any():
                 ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ri}", label=_label(runs, run, k)
                         if len(runs) > 1 else None)
-        ax.set_title(k, fontsize=10)
+        ax.set_title(_escaped(k), fontsize=10)
         ax.set_xlabel("step")
-        ax.set_ylabel(k)
+        ax.set_ylabel(_escaped(k))
         axes.append(ax)
     _finish(fig, axes, path, "System metrics")
     return None
