@@ -16,8 +16,8 @@ Pandas users: `from analyze_telemetry import to_dataframe; df = to_dataframe("ru
 run directories: one frame, a `run` column tells them apart).
 
 A run resumed by another process (records carry `"start": k`, an index into run.json's `starts`) or with
-another run appended (the step goes back) is read in segments: findings that compare a collection with
-earlier ones never compare across a restart, and the duration leaves out the gaps between segments.
+another run appended (the step goes back) is read in segments: loss spikes, gradient growth, jumps and
+shrinking, and forgetting events are judged within a segment, and the duration leaves out the gaps.
 Damaged files never stop the analysis: what cannot be read is a notice, naming the line.
 """
 
@@ -376,10 +376,11 @@ def _note_restart(run: Run, rec: dict, line_no: int) -> None:
 
 
 def segment_ids(run: Run) -> np.ndarray:
-    """Per record, the index of its segment: the stretch between restarts. Rolling windows and
-    start-versus-end comparisons (loss spikes, gradient jumps, growth and shrinking, forgetting) judge
-    each segment alone: a resume reloads state and may change the batch size or the learning rate, and
-    an appended run is another training altogether."""
+    """Per record, the index of its segment: the stretch between restarts. Loss spikes, gradient
+    growth, jumps and shrinking, and forgetting events are judged within each segment alone: a resume
+    reloads state and may change the batch size or the learning rate, and an appended run is another
+    training altogether. Verdicts on the training as a whole (not learning, overfitting, holdout at
+    chance) span the segments, since a resume continues the same training."""
     firsts = [r["index"] for r in run.restarts if r["index"] > 0]
     return np.searchsorted(np.array(firsts, dtype=int), np.arange(len(run.records)), side="right")
 
