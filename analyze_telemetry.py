@@ -12,7 +12,13 @@ by telemetry.py (the record format is the contract; this reader does not import 
     python analyze_telemetry.py RUN_DIR --watch         # follow a run while it trains (Ctrl-C to stop)
 
 Plots and the report go to RUN_DIR/analysis/ (several runs: FIRST_RUN/analysis/compare/) or --out.
-Pandas users: `from analyze_telemetry import to_dataframe; df = to_dataframe("runs/exp1")`.
+Pandas users: `from analyze_telemetry import to_dataframe; df = to_dataframe("runs/exp1")` (or a list of
+run directories: one frame, a `run` column tells them apart).
+
+A run resumed by another process (records carry `"start": k`, an index into run.json's `starts`) or with
+another run appended (the step goes back) is read in segments: loss spikes, gradient growth, jumps and
+shrinking, and forgetting events are judged within a segment, and the duration leaves out the gaps.
+Damaged files never stop the analysis: what cannot be read is a notice, naming the line.
 """
 
 from __future__ import annotations
@@ -55,6 +61,10 @@ class Run:
     pending: bytes = b""         # an incomplete last line, kept until its newline arrives
     other_schemas: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)
+    # Where a process started again on this run directory, or another run was appended: one dict per
+    # restart, {"step", "start" (index into run.json's starts; None when only the step went back),
+    # "index" (its first record)}. Series findings never compare across one (see segment_ids).
+    restarts: list = field(default_factory=list)
 
 
 def _reject_constant(name):
@@ -87,15 +97,65 @@ def load_run(path, progress: bool = True) -> Run:
     return run
 
 
+# The run.json fields this reader uses and the type each must have. A field of another type is left
+# out (with a notice) and the rest of run.json is still used.
+META_FIELDS = ((("starts",), list), (("groups",), dict), (("parameters", "trainable"), int),
+               (("holdout", "examples"), int))
+
+
 def read_meta(run: Run) -> None:
     meta_file = run.path / RUN_FILE
     if not meta_file.is_file():
         return
     try:
         meta = _DECODER.decode(meta_file.read_text(encoding="utf-8"))
-        run.meta = meta if isinstance(meta, dict) else {}
-    except (ValueError, OSError) as exc:
-        _notice(run, f"{RUN_FILE} unreadable ({exc}); going on without run metadata")
+    except (ValueError, OSError, RecursionError) as exc:
+        run.meta = {}
+        _notice(run, f"{RUN_FILE} unreadable ({_first_line(exc)}); going on without run metadata")
+        return
+    if not isinstance(meta, dict):
+        run.meta = {}
+        _notice(run, f"{RUN_FILE} holds {_kind(meta)}, not an object; going on without run metadata")
+        return
+    for path, kind in META_FIELDS:
+        value = _get(meta, path)
+        if value is not None and not _has_type(value, kind):
+            _notice(run, f"{RUN_FILE}: {'.'.join(path)} is {_kind(value)}, not {_kind(kind())}; left out")
+            del _get(meta, path[:-1])[path[-1]]
+    starts = meta.get("starts")
+    if starts is not None and not all(isinstance(t, str) for t in starts):
+        _notice(run, f"{RUN_FILE}: starts holds something other than timestamps; left out")
+        del meta["starts"]
+    run.meta = meta
+
+
+def _has_type(value, kind) -> bool:
+    """isinstance for JSON values, where a boolean is no number and an integer must fit in 64 bits."""
+    if kind is int:
+        return type(value) is int and -2 ** 63 <= value < 2 ** 63
+    return isinstance(value, kind)
+
+
+def _kind(value) -> str:
+    """A JSON value's type in words, for notices: never the value itself, which may be huge or deep."""
+    if type(value) is int and not -2 ** 63 <= value < 2 ** 63:
+        return "an integer beyond 64 bits"
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+             int: "an integer", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _text(value, limit: int = 200) -> str:
+    """A value from a record as a short, printable string (a non-string one by its type only)."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + "..."
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e18:
+        return repr(value)
+    return f"({_kind(value)})"
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).split("\n")[0][:120]
 
 
 @contextlib.contextmanager
@@ -124,7 +184,7 @@ def read_new_records(run: Run, final: bool, progress: bool = False) -> int:
     except OSError:
         return 0
     if size < run.offset:   # the file was replaced: start over
-        run.records, run.offset, run.lines, run.pending, run.cache = [], 0, 0, b"", {}
+        run.records, run.offset, run.lines, run.pending, run.cache, run.restarts = [], 0, 0, b"", {}, []
         _notice(run, f"{RECORD_FILE} shrank; reading it again from the start")
     before = len(run.records)
     started = time.monotonic()
@@ -138,14 +198,17 @@ def read_new_records(run: Run, final: bool, progress: bool = False) -> int:
         obj, err = _parse_line(run.pending)
         if obj is not None:
             _add_record(run, obj, line_no)
-        else:
+        elif run.pending.lstrip().startswith(b"{"):
             _notice(run, f"line {line_no}: torn last line (unterminated, {err}); skipped, "
                          f"{len(run.records)} earlier records kept")
+        else:
+            _notice(run, f"line {line_no}: {len(run.pending):,} bytes of garbage after the last record "
+                         f"({err}); skipped")
         run.lines += 1
         run.pending = b""
     if final:
         for schema, count in run.other_schemas.items():
-            _notice(run, f"{count} record(s) have schema {schema!r}; this reader knows schema "
+            _notice(run, f"{count} record(s) have schema {schema}; this reader knows schema "
                          f"{SCHEMA_VERSION} and reads the keys it recognises")
         run.other_schemas = {}
     return len(run.records) - before
@@ -233,49 +296,98 @@ def holdout_logits_of(h: dict):
     if isinstance(lg, bytes):
         try:
             lg = _DECODER.decode(lg.decode("ascii"))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             lg = None
         h["logits"] = lg
     return lg if isinstance(lg, list) else None
 
 
 def _parse_line(raw: bytes):
+    """(record, None) or (None, why not) for one line."""
     rest, logits = _cut_logits(raw)
-    try:
-        obj = _DECODER.decode(rest.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        return None, str(exc).split("\n")[0][:120]
-    if not isinstance(obj, dict):
-        return None, f"a JSON {type(obj).__name__}, not an object"
-    if logits is not None:
+    obj, err = _parse_object(rest)
+    if obj is not None and logits is not None:
         h = obj.get("holdout_logits")
         if not isinstance(h, dict) or "logits" in h:
-            return _parse_line_plain(raw)
+            return _parse_object(raw)
         h["logits"] = logits
-    return obj, None
+    return obj, err
 
 
-def _parse_line_plain(raw: bytes):
+def _parse_object(raw: bytes):
     try:
         obj = _DECODER.decode(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        return None, str(exc).split("\n")[0][:120]
+        return None, _first_line(exc)
+    except RecursionError:
+        return None, "nested too deeply"
     return (obj, None) if isinstance(obj, dict) else (None, f"a JSON {type(obj).__name__}, not an object")
 
 
+# Top-level record fields that checks read as a whole, and the type each must have. A field of another
+# type is dropped from its record (with a notice), so no check meets it; values inside sections are
+# read through _num and isinstance tests instead.
+RECORD_FIELDS = {
+    **dict.fromkeys(("gradient_norm", "weight_delta", "learning_rates", "update_ratio", "drift", "weight_norm",
+                     "holdout_logits", "batch_stats", "layer_stats", "lora", "system", "param_change",
+                     "sparse_quality", "errors"), dict),
+    **dict.fromkeys(("alerts", "nonfinite", "nonfinite_params"), list),
+    "timestamp": str,
+}
+
+
 def _add_record(run: Run, rec: dict, line_no: int) -> None:
+    for key, kind in RECORD_FIELDS.items():
+        value = rec.get(key)
+        if value is not None and not isinstance(value, kind):
+            _notice(run, f"line {line_no}: {key} is {_kind(value)}, not {_kind(kind())}; left out")
+            del rec[key]
     schema = rec.get("schema")
     if schema != SCHEMA_VERSION:
+        schema = _text(schema, 40)
         run.other_schemas[schema] = run.other_schemas.get(schema, 0) + 1
     step = rec.get("step")
-    if not isinstance(step, int) or isinstance(step, bool):
+    if not _has_type(step, int):
+        if step is not None:
+            _notice(run, f"line {line_no}: step is {_kind(step)}, not an integer; numbered after the "
+                         "previous record")
         # Older writers had no global step; number the records so plots still have an x axis.
         step = (run.records[-1]["step"] + 1) if run.records else 1
         rec["step"] = step
-    elif run.records and step < run.records[-1]["step"]:
-        _notice(run, f"line {line_no}: step goes back from {run.records[-1]['step']} to {step} "
-                     "(a restart that reset the counter?)")
+    _note_restart(run, rec, line_no)
     run.records.append(rec)
+
+
+def _note_restart(run: Run, rec: dict, line_no: int) -> None:
+    """A record that opens a process start (`"start": k`, k >= 1 for a resume) or whose step goes back
+    (another run appended without a marker) begins a new segment of the run."""
+    start = rec.get("start")
+    if start is not None and not (_has_type(start, int) and start >= 0):
+        _notice(run, f"line {line_no}: start is {_kind(start)}, not an index into {RUN_FILE}'s starts; ignored")
+        del rec["start"]
+        start = None
+    prev = run.records[-1]["step"] if run.records else None
+    if start is not None and (start >= 1 or prev is not None):
+        run.restarts.append({"step": rec["step"], "start": start, "index": len(run.records)})
+    elif prev is not None and rec["step"] < prev:
+        _notice(run, f"line {line_no}: step goes back from {prev} to {rec['step']} with no restart marker "
+                     "(another run appended to this file?); read as a new segment")
+        run.restarts.append({"step": rec["step"], "start": None, "index": len(run.records)})
+
+
+def segment_ids(run: Run) -> np.ndarray:
+    """Per record, the index of its segment: the stretch between restarts. Loss spikes, gradient
+    growth, jumps and shrinking, and forgetting events are judged within each segment alone: a resume
+    reloads state and may change the batch size or the learning rate, and an appended run is another
+    training altogether. Verdicts on the training as a whole (not learning, overfitting, holdout at
+    chance) span the segments, since a resume continues the same training."""
+    firsts = [r["index"] for r in run.restarts if r["index"] > 0]
+    return np.searchsorted(np.array(firsts, dtype=int), np.arange(len(run.records)), side="right")
+
+
+def _pieces(seg: np.ndarray) -> list:
+    """Index arrays of the stretches of equal segment id in `seg` (a series' segment ids)."""
+    return np.split(np.arange(len(seg)), np.flatnonzero(np.diff(seg)) + 1) if len(seg) else []
 
 
 def _get(rec, parts):
@@ -287,73 +399,91 @@ def _get(rec, parts):
 
 
 def _num(v) -> float:
+    """A record value as a float; NaN when it is absent, not a number, or out of float range (the
+    writer stores NaN/Inf as null, so a literal like 1e400 is damage, not a measurement)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return math.nan
-    return float(v)
+    try:
+        v = float(v)
+    except OverflowError:
+        return math.nan
+    return v if math.isfinite(v) else math.nan
 
 
 _PLAIN_NUMBER_TYPES = {float, int, type(None)}
 
 
+def _grown(run: Run, key, extend):
+    """run.cache[key], brought up to date with the records added since it was made.
+
+    extend(previous value or None, start) returns the value over all records, given the one over
+    run.records[:start]; --watch reads a run a few lines at a time, so each cached view grows instead
+    of being rebuilt from the first record."""
+    entry = run.cache.get(key)
+    if entry is None or entry[0] != len(run.records):
+        done, old = entry or (0, None)
+        entry = (len(run.records), extend(old, done))
+        run.cache[key] = entry
+    return entry[1]
+
+
+def _concat(old, new):
+    return new if old is None else np.concatenate([old, new])
+
+
 def column(run: Run, key) -> np.ndarray:
     """Values at a dotted path (or a tuple of keys, for keys that hold dots such as layer names), one
     per record, NaN where absent/null. Cached, and grown incrementally as --watch reads more."""
-    cached = run.cache.get(("col", key))
-    n = len(run.records)
-    if cached is not None and len(cached) == n:
-        return cached
-    start = 0 if cached is None else len(cached)
-    recs = run.records[start:]
-    parts = list(key) if isinstance(key, tuple) else key.split(".")
+    return _grown(run, ("col", key), lambda old, start: _concat(old, _column_values(run.records[start:], key)))
+
+
+def _values_at(recs: list, parts: list) -> list:
+    """The value at the key path `parts` of each record (None where absent)."""
     # The one- and two-level paths cover nearly every lookup; spelled out they are several times faster.
     if len(parts) == 1:
-        vals = [r.get(key) for r in recs]
-    elif len(parts) == 2:
+        a, = parts
+        return [r.get(a) for r in recs]
+    if len(parts) == 2:
         a, b = parts
-        vals = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
-    elif len(parts) == 3:
+        return [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
+    if len(parts) == 3:
         a, b, c = parts
-        vals = [e.get(c) if isinstance(d := r.get(a), dict) and isinstance(e := d.get(b), dict) else None
+        return [e.get(c) if isinstance(d := r.get(a), dict) and isinstance(e := d.get(b), dict) else None
                 for r in recs]
-    else:
-        vals = [_get(r, parts) for r in recs]
+    return [_get(r, parts) for r in recs]
+
+
+def _column_values(recs: list, key) -> np.ndarray:
+    vals = _values_at(recs, list(key) if isinstance(key, tuple) else key.split("."))
     try:
         if not set(map(type, vals)) <= _PLAIN_NUMBER_TYPES:
             raise TypeError
-        new = np.array(vals, dtype=float).reshape(len(vals))   # None -> nan
-    except (TypeError, ValueError):
-        new = np.fromiter((_num(v) for v in vals), dtype=float, count=len(vals))
-    arr = new if cached is None else np.concatenate([cached, new])
-    run.cache[("col", key)] = arr
-    return arr
+        arr = np.array(vals, dtype=float).reshape(len(vals))   # None -> nan
+        if not np.isfinite(arr[~np.isnan(arr)]).all():   # 1e400 in the file: damage, as in _num
+            raise ValueError
+        return arr
+    except (TypeError, ValueError, OverflowError):
+        return np.fromiter((_num(v) for v in vals), dtype=float, count=len(vals))
 
 
 def present(run: Run, section: str) -> np.ndarray:
     """Boolean mask of records that hold `section` as a dict."""
-    cached = run.cache.get(("present", section))
-    if cached is not None and len(cached) == len(run.records):
-        return cached
-    start = 0 if cached is None else len(cached)
-    new = np.array([isinstance(r.get(section), dict) for r in run.records[start:]], dtype=bool)
-    arr = new if cached is None else np.concatenate([cached, new])
-    run.cache[("present", section)] = arr
-    return arr
+    return _grown(run, ("present", section), lambda old, start: _concat(
+        old, np.array([isinstance(r.get(section), dict) for r in run.records[start:]], dtype=bool)))
 
 
 def nonfinite_at(run: Run, path: str) -> np.ndarray:
     """Boolean mask of records whose `nonfinite` list names `path` (the value is NaN/Inf, not absent)."""
-    cached = run.cache.get("nonfinite")
-    if cached is None or cached[0] != len(run.records):
-        index = {}
-        for i, r in enumerate(run.records):
+    def extend(index, start):
+        index = {} if index is None else index
+        for i, r in enumerate(run.records[start:], start):
             nf = r.get("nonfinite")
             if isinstance(nf, list):
                 for p in nf:
-                    index.setdefault(str(p), []).append(i)
-        cached = (len(run.records), index)
-        run.cache["nonfinite"] = cached
+                    index.setdefault(_text(p), []).append(i)
+        return index
     mask = np.zeros(len(run.records), dtype=bool)
-    mask[cached[1].get(path, [])] = True
+    mask[_grown(run, "nonfinite", extend).get(path, [])] = True
     return mask
 
 
@@ -363,97 +493,123 @@ def steps(run: Run) -> np.ndarray:
 
 def section_keys(run: Run, section: str, skip_overall: bool = True) -> list:
     """Keys seen in a dict section across records, in first-seen order ('overall' left out)."""
-    key = ("keys", section)
-    cached = run.cache.get(key)
-    if cached is not None and cached[0] == len(run.records):
-        return [k for k in cached[1] if not (skip_overall and k == "overall")]
-    seen = dict.fromkeys(cached[1]) if cached else {}
-    parts = section.split(".")
-    recs = run.records[cached[0] if cached else 0:]
-    if len(parts) == 1:
-        dicts = [r.get(section) for r in recs]
-    elif len(parts) == 2:
-        a, b = parts
-        dicts = [d.get(b) if isinstance(d := r.get(a), dict) else None for r in recs]
-    else:
-        dicts = [_get(r, parts) for r in recs]
-    # Records mostly share one key layout: collect the distinct layouts (in first-seen order) and
-    # merge those, instead of visiting every key of every record.
-    for layout in dict.fromkeys(tuple(d) for d in dicts if type(d) is dict):
-        seen.update(dict.fromkeys(layout))
-    run.cache[key] = (len(run.records), list(seen))
-    return [k for k in seen if not (skip_overall and k == "overall")]
+    def extend(seen, start):
+        seen = dict.fromkeys(seen or ())
+        dicts = _values_at(run.records[start:], section.split("."))
+        # Records mostly share one key layout: collect the distinct layouts (in first-seen order) and
+        # merge those, instead of visiting every key of every record.
+        for layout in dict.fromkeys(tuple(d) for d in dicts if type(d) is dict):
+            seen.update(dict.fromkeys(layout))
+        return list(seen)
+    return [k for k in _grown(run, ("keys", section), extend) if not (skip_overall and k == "overall")]
 
 
 def has_values(run: Run, key: str) -> bool:
     return bool(np.isfinite(column(run, key)).any())
 
 
-def holdout_data(run: Run):
-    """Holdout evaluations as arrays, or None. `correct` is examples x collections (bool) for
-    classification; for language models it holds per-example token accuracy."""
-    cached = run.cache.get("holdout")
-    if cached is not None and cached[0] == len(run.records):
-        return cached[1]
-    rows = [(r["step"], h) for r in run.records if isinstance(h := r.get("holdout_logits"), dict)]
-    data = None
-    if rows:
-        kinds = [h.get("kind") or ("lm" if "nll" in h else "classification") for _, h in rows]
-        kind = max(set(kinds), key=kinds.count)
-        rows = [row for row, k in zip(rows, kinds) if k == kind]
-        # One array conversion for all evaluations, not one per record: this is the slow part on big runs.
+@dataclass
+class Holdout:
+    """A run's holdout evaluations as arrays (those of its most common kind)."""
+    kind: str                     # "classification", "lm" or "regression"
+    steps: np.ndarray             # step of each evaluation
+    accuracy: np.ndarray          # per evaluation, NaN where absent (always, for regression)
+    loss: np.ndarray              # mean squared error, for regression
+    mae: np.ndarray               # mean absolute error (regression only; NaN otherwise)
+    n: int                        # examples per evaluation
+    num_classes: int | None
+    labels: np.ndarray | None     # labels of the last evaluation that has per-example data
+    matrix_steps: np.ndarray      # the steps of the columns of `correct`
+    matrix_segments: np.ndarray   # the segment (see segment_ids) of each column of `correct`
+    # examples x evaluations: right/wrong, LM per-example token accuracy, or regression absolute error
+    correct: np.ndarray | None
+    predictions_last: list        # predictions of the last (up to) three evaluations with per-example data
+    raw: list                     # each evaluation's holdout_logits dict
+
+
+def holdout_data(run: Run) -> Holdout | None:
+    """The run's holdout evaluations, or None when no record has one."""
+    return _grown(run, "holdout", lambda old, start: _holdout(run))
+
+
+def _holdout(run: Run) -> Holdout | None:
+    picked = [i for i, r in enumerate(run.records) if isinstance(r.get("holdout_logits"), dict)]
+    if not picked:
+        return None
+    rows = [(run.records[i]["step"], run.records[i]["holdout_logits"]) for i in picked]
+    kinds = [k if isinstance(k := h.get("kind"), str) and k else ("lm" if "nll" in h else "classification")
+             for _, h in rows]
+    kind = max(set(kinds), key=kinds.count)
+    rows = [row for row, k in zip(rows, kinds) if k == kind]
+    segments = segment_ids(run)[[i for i, k in zip(picked, kinds) if k == kind]]
+    n, keep, correct = _holdout_matrix(rows, kind)
+    num_classes, labels = _holdout_classes(rows, keep) if kind == "classification" else (None, None)
+    return Holdout(
+        kind=kind,
+        steps=np.array([s for s, _ in rows], dtype=float),
+        accuracy=np.array([_num(h.get("accuracy")) for _, h in rows]),
+        loss=np.array([_num(h.get("loss")) for _, h in rows]),
+        mae=np.array([_num(h.get("mae")) for _, h in rows]),
+        n=n or _get(run.meta, ["holdout", "examples"]) or 0,
+        num_classes=num_classes,
+        labels=labels,
+        matrix_steps=np.array([rows[i][0] for i in keep], dtype=float),
+        matrix_segments=segments[keep],
+        correct=correct,
+        predictions_last=[rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
+        raw=[h for _, h in rows])
+
+
+def _holdout_matrix(rows: list, kind: str):
+    """(examples per evaluation, indices of the evaluations of that size, their examples x evaluations
+    matrix): `correct` for classification, per-example token accuracy for language models, per-example
+    absolute error for regression."""
+    # One array conversion for all evaluations, not one per record: this is the slow part on big runs.
+    if kind == "classification":
+        pairs = [(h.get("labels"), h.get("predictions")) for _, h in rows]
+        sizes = [len(a) if _is_class_list(a) and _is_class_list(b) and len(a) == len(b) else 0
+                 for a, b in pairs]
+    else:
+        toks = [h.get("abs_error" if kind == "regression" else "token_accuracy") for _, h in rows]
+        sizes = [len(t) if isinstance(t, list) else 0 for t in toks]
+    nonzero = [k for k in sizes if k]
+    n = max(set(nonzero), key=nonzero.count) if nonzero else 0
+    keep = [i for i, k in enumerate(sizes) if n and k == n]
+    if not keep:
+        return n, keep, None
+    try:
         if kind == "classification":
-            pairs = [(h.get("labels"), h.get("predictions")) for _, h in rows]
-            sizes = [len(a) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else 0
-                     for a, b in pairs]
-        else:
-            toks = [h.get("token_accuracy") for _, h in rows]
-            sizes = [len(t) if isinstance(t, list) else 0 for t in toks]
-        nonzero = [k for k in sizes if k]
-        n = max(set(nonzero), key=nonzero.count) if nonzero else 0
-        keep = [i for i, k in enumerate(sizes) if n and k == n]
-        correct = None
-        if keep:
-            try:
-                if kind == "classification":
-                    correct = (np.array([pairs[i][0] for i in keep]) == np.array([pairs[i][1] for i in keep])).T
-                else:
-                    correct = np.array([[_num(v) for v in toks[i]] for i in keep]).T
-            except (ValueError, TypeError):
-                keep, correct = [], None
-        labels = None
-        num_classes = None
-        if kind == "classification":
-            for _, h in reversed(rows):
-                nc = h.get("num_classes")
-                lg = holdout_logits_of(h) if not isinstance(nc, int) else None
-                if isinstance(nc, int) and nc >= 2:
-                    num_classes = nc
-                elif isinstance(lg, list) and lg and isinstance(lg[0], list) and len(lg[0]) >= 2:
-                    num_classes = len(lg[0])
-                if num_classes:
-                    break
-            if keep:
-                lab = rows[keep[-1]][1].get("labels")
-                labels = np.array(lab) if lab else None
-                if num_classes is None and labels is not None:
-                    preds = rows[keep[-1]][1].get("predictions") or []
-                    num_classes = max(2, int(max(list(lab) + list(preds))) + 1)
-        data = {
-            "kind": kind,
-            "steps": np.array([s for s, _ in rows], dtype=float),
-            "accuracy": np.array([_num(h.get("accuracy")) for _, h in rows]),
-            "loss": np.array([_num(h.get("loss")) for _, h in rows]),
-            "n": n or _get(run.meta, ["holdout", "examples"]) or 0,
-            "num_classes": num_classes,
-            "labels": labels,
-            "matrix_steps": np.array([rows[i][0] for i in keep], dtype=float),
-            "correct": correct,
-            "predictions_last": [rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
-            "raw": [h for _, h in rows],
-        }
-    run.cache["holdout"] = (len(run.records), data)
-    return data
+            return n, keep, (np.array([pairs[i][0] for i in keep]) == np.array([pairs[i][1] for i in keep])).T
+        return n, keep, np.array([[_num(v) for v in toks[i]] for i in keep]).T
+    except (ValueError, TypeError):
+        return n, [], None
+
+
+def _is_class_list(v) -> bool:
+    """A list of class indices: integers (no booleans) that fit in 32 bits."""
+    return isinstance(v, list) and set(map(type, v)) <= {int} and (not v or -2 ** 31 <= min(v) and max(v) < 2 ** 31)
+
+
+def _holdout_classes(rows: list, keep: list):
+    """(number of classes, labels of the last evaluation in `keep`) of a classification holdout."""
+    num_classes = labels = None
+    for _, h in reversed(rows):
+        nc = h.get("num_classes")
+        nc = nc if _has_type(nc, int) and nc < 2 ** 31 else None
+        lg = holdout_logits_of(h) if nc is None else None
+        if nc is not None and nc >= 2:
+            num_classes = nc
+        elif isinstance(lg, list) and lg and isinstance(lg[0], list) and len(lg[0]) >= 2:
+            num_classes = len(lg[0])
+        if num_classes:
+            break
+    if keep:
+        lab = rows[keep[-1]][1].get("labels")
+        labels = np.array(lab) if lab else None
+        if num_classes is None and labels is not None:
+            preds = rows[keep[-1]][1].get("predictions") or []
+            num_classes = max(2, int(max(list(lab) + list(preds))) + 1)
+    return num_classes, labels
 
 
 def train_accuracy_key(run: Run):
@@ -464,15 +620,23 @@ def train_accuracy_key(run: Run):
     return None
 
 
-def flat_record(rec: dict, prefix: str = "", out: dict = None) -> dict:
+def flat_record(rec: dict) -> dict:
     """Nested sections become dotted columns; lists (logits, labels, alerts...) are left out."""
-    out = {} if out is None else out
-    for k, v in rec.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            flat_record(v, key + ".", out)
-        elif not isinstance(v, (list, bytes)):   # bytes: holdout logits not yet decoded (a list too)
-            out[key] = v
+    out = {}
+    # Depth first in key order, on a stack of iterators rather than by recursion: a damaged record may
+    # nest hundreds deep.
+    stack = [("", iter(rec.items()))]
+    while stack:
+        prefix, items = stack[-1]
+        for k, v in items:
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                stack.append((key + ".", iter(v.items())))
+                break
+            if not isinstance(v, (list, bytes)):   # bytes: holdout logits not yet decoded (a list too)
+                out[key] = v
+        else:
+            stack.pop()
     return out
 
 
@@ -486,11 +650,33 @@ def flat_rows(run: Run):
     return list(seen), rows
 
 
-def to_dataframe(run_dir):
-    """The run as a pandas DataFrame, one row per record (pandas is only needed for this helper)."""
+def merged_rows(runs):
+    """(columns, [(run name, row)]) of several runs: the union of their columns in first-seen order."""
+    all_cols, all_rows = {}, []
+    for run in runs:
+        cols, rows = flat_rows(run)
+        all_cols.update(dict.fromkeys(cols))
+        all_rows += [(run.name, r) for r in rows]
+    return list(all_cols), all_rows
+
+
+def to_dataframe(runs):
+    """One run directory (str or Path) or a list of them as one pandas DataFrame: a row per record, a
+    leading `run` column with the run's name, `timestamp` as datetimes (NaT where unreadable; in UTC when
+    records disagree on the time zone), the other columns named as in --csv. pandas is only needed here."""
     import pandas as pd
-    columns, rows = flat_rows(load_run(run_dir, progress=False))
-    return pd.DataFrame(rows, columns=columns)
+    dirs = [runs] if isinstance(runs, (str, Path)) else list(runs)
+    loaded = [load_run(d, progress=False) for d in dirs]
+    _unique_names(loaded)
+    columns, rows = merged_rows(loaded)
+    columns = ["run"] + [c for c in columns if c != "run"]   # the run's name wins over a scalar called "run"
+    df = pd.DataFrame([{**row, "run": name} for name, row in rows], columns=columns)
+    text = df["timestamp"].map(lambda v: v if isinstance(v, str) else None)
+    try:
+        df["timestamp"] = pd.to_datetime(text, errors="coerce", format="ISO8601")
+    except ValueError:   # time zones that differ between records: one common zone, UTC
+        df["timestamp"] = pd.to_datetime(text, errors="coerce", format="ISO8601", utc=True)
+    return df
 
 
 # ---- Diagnosis --------------------------------------------------------------------------------------
@@ -591,7 +777,7 @@ def check_nonfinite(run: Run) -> list:
     for r in run.records:
         paths = r.get("nonfinite") if isinstance(r.get("nonfinite"), list) else []
         params = r.get("nonfinite_params") if isinstance(r.get("nonfinite_params"), list) else []
-        paths = [str(p) for p in paths] + [f"parameter {p}" for p in params]
+        paths = [_text(p) for p in paths] + [f"parameter {_text(p)}" for p in params]
         if paths:
             affected += 1
         for p in paths:
@@ -765,106 +951,151 @@ def check_not_learning(run: Run) -> list:
 
 
 def _grad_series(run: Run):
+    """(steps, norms, segment ids) of the collections with a positive overall gradient norm (the groups'
+    norms combined where no overall was recorded); (None, None, None) without gradient norms."""
     g = column(run, "gradient_norm.overall")
     if not has_values(run, "gradient_norm.overall"):
         groups = _groups(run, "gradient_norm")
         if not groups:
-            return None, None
+            return None, None, None
         stack = np.vstack([column(run, ("gradient_norm", k)) for k in groups])
         with np.errstate(invalid="ignore"):
             g = np.sqrt(np.nansum(stack ** 2, axis=0))
         g[np.all(~np.isfinite(stack), axis=0)] = np.nan
     ok = np.isfinite(g) & (g > 0)
-    return steps(run)[ok], g[ok]
+    return steps(run)[ok], g[ok], segment_ids(run)[ok]
 
 
-def check_gradients(run: Run) -> list:
-    findings = []
-    st, g = _grad_series(run)
-    if g is not None and len(g) >= 6:
-        head, tail = _edge_median(g, "first"), _edge_median(g, "last")
-        growth = tail / head
-        parts, where = [], []
-        if growth >= 10:
-            k = max(3, int(math.ceil(0.2 * len(g))))
-            parts.append(f"the gradient norm grew {growth:.0f}x, from median {_fmt(head)} in the first fifth of "
-                         f"the run to {_fmt(tail)} in the last")
-            where.append(int(st[-k]))
-        med, _ = _prev_window_stats(g, 20, 5, with_mad=False)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = g / med
-        # Near convergence the norm can wobble 100x around ~0; only jumps that matter on the run's
-        # starting scale count.
-        spikes = np.where((ratio >= 20) & (g >= 0.1 * head))[0]
-        if len(spikes):
-            worst = spikes[np.argmax(ratio[spikes])]
-            parts.append(f"{len(spikes)} collection(s) jumped to >= 20x the running median, worst "
-                         f"{_fmt(g[worst])} ({ratio[worst]:.0f}x) at step {int(st[worst])}")
-            where += [int(st[i]) for i in spikes]
-        # A blow-up before the first collection shows as a loss far above the chance level log(C)
-        # together with gradients far above the rest of the run.
-        h = holdout_data(run)
-        if h and h["kind"] == "classification" and h["num_classes"]:
-            chance_loss = math.log(h["num_classes"])
-            loss_all = column(run, "loss")
-            g_all = column(run, "gradient_norm.overall")
-            if not has_values(run, "gradient_norm.overall"):
-                g_all = np.full(len(loss_all), np.nan)
-                g_all[np.isin(steps(run), st)] = g
-            with np.errstate(invalid="ignore"):
-                blown = np.where((loss_all > 10 * chance_loss) & (g_all > 10 * float(np.median(g))))[0]
-            if len(blown):
-                i = blown[np.argmax(loss_all[blown])]
-                parts.append(f"the train loss reached {_fmt(loss_all[i])} at step {int(steps(run)[i])}, over 10x the "
-                             f"chance level {chance_loss:.3f}, with gradient norm {_fmt(g_all[i])} "
-                             f"({g_all[i] / np.median(g):,.0f}x the run's median)")
-                where += [int(steps(run)[j]) for j in blown]
-        if parts:
-            findings.append(Finding(
-                "exploding_gradients", "warning", "; ".join(parts) + ".", _steps_list(sorted(where)),
-                hint="Lower the learning rate, add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, and "
-                     "check for unnormalised inputs or a loss that can blow up."))
-        loss = _finite(column(run, "loss"))
-        loss_converged = len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
-        if growth <= 1e-3 and not loss_converged:
-            findings.append(Finding(
-                "vanishing_gradients", "warning",
-                f"the gradient norm shrank {1 / growth:,.0f}x, from median {_fmt(head)} to {_fmt(tail)}, "
-                "while the loss did not converge.",
-                _steps_list([st[0], st[-1]]),
-                hint="Check saturating activations, too-deep plain stacks (add residuals/normalisation), an "
-                     "initialisation that is too small, or a learning-rate schedule that decays to ~0."))
-    layers = section_keys(run, "layer_stats", skip_overall=False)
-    if len(layers) >= 2:
-        meds = {}
-        for k in layers:
-            v = _finite(column(run, ("layer_stats", k, "grad_norm"))[1:])
-            v = v[v > 0]
-            if len(v):
-                meds[k] = float(np.median(v))
-        if meds:
-            top = max(meds.values())
-            tiny = sorted((k for k, v in meds.items() if v < 1e-5 * top), key=meds.get)
-            if tiny:
-                findings.append(Finding(
-                    "vanishing_gradients", "warning",
-                    f"{len(tiny)} layer(s) get gradients below 1e-5 of the largest layer's ({_fmt(top)}): "
-                    + ", ".join(f"{k} ({_fmt(meds[k])})" for k in tiny[:5]) + ("..." if len(tiny) > 5 else "") + ".",
-                    _steps_list(steps(run)[1:2]), group=tiny[0],
-                    hint="Early layers starving: add residual connections or normalisation, check activations "
-                         "and initialisation, or give those layers a larger learning rate."))
-    return findings
+@dataclass
+class Trend:
+    """The gradient norm over one segment, with the medians of its first and last fifths."""
+    steps: np.ndarray
+    norms: np.ndarray
+    head: float
+    tail: float
+    segment: int
+    where: str      # "" for a run without restarts, else which stretch of steps it is
 
 
-def check_loss_spikes(run: Run) -> list:
-    loss = column(run, "loss")
-    ok = np.isfinite(loss)
-    x, st = loss[ok], steps(run)[ok]
-    if len(x) < 12:
+def _gradient_trends(run: Run) -> list:
+    """A Trend per segment with 6 or more usable collections."""
+    st, g, seg = _grad_series(run)
+    if g is None:
         return []
+    pieces = _pieces(seg)
+    return [Trend(st[i], g[i], _edge_median(g[i], "first"), _edge_median(g[i], "last"), int(seg[i[0]]),
+                  "" if len(pieces) == 1 else f" (steps {int(st[i[0]])}-{int(st[i[-1]])})")
+            for i in pieces if len(i) >= 6]
+
+
+def _grad_growth(t: Trend):
+    growth = t.tail / t.head
+    if growth < 10:
+        return None
+    k = max(3, int(math.ceil(0.2 * len(t.norms))))
+    return (f"the gradient norm grew {growth:.0f}x, from median {_fmt(t.head)} in the first fifth of the run to "
+            f"{_fmt(t.tail)} in the last{t.where}", [int(t.steps[-k])])
+
+
+def _grad_jumps(t: Trend):
+    g, st = t.norms, t.steps
+    med, _ = _prev_window_stats(g, 20, 5, with_mad=False)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = g / med
+    # Near convergence the norm can wobble 100x around ~0; only jumps that matter on the run's
+    # starting scale count.
+    spikes = np.where((ratio >= 20) & (g >= 0.1 * t.head))[0]
+    if not len(spikes):
+        return None
+    worst = spikes[np.argmax(ratio[spikes])]
+    return (f"{len(spikes)} collection(s) jumped to >= 20x the running median, worst {_fmt(g[worst])} "
+            f"({ratio[worst]:.0f}x) at step {int(st[worst])}", [int(st[i]) for i in spikes])
+
+
+def _blown_up_loss(run: Run, st, g):
+    """A blow-up before the first collection shows as a loss far above the chance level log(C)
+    together with gradients far above the rest of the run."""
+    h = holdout_data(run)
+    if not (h and h.kind == "classification" and h.num_classes):
+        return None
+    chance_loss = math.log(h.num_classes)
+    loss_all = column(run, "loss")
+    g_all = column(run, "gradient_norm.overall")
+    if not has_values(run, "gradient_norm.overall"):
+        g_all = np.full(len(loss_all), np.nan)
+        g_all[np.isin(steps(run), st)] = g
+    with np.errstate(invalid="ignore"):
+        blown = np.where((loss_all > 10 * chance_loss) & (g_all > 10 * float(np.median(g))))[0]
+    if not len(blown):
+        return None
+    i = blown[np.argmax(loss_all[blown])]
+    return (f"the train loss reached {_fmt(loss_all[i])} at step {int(steps(run)[i])}, over 10x the chance level "
+            f"{chance_loss:.3f}, with gradient norm {_fmt(g_all[i])} ({g_all[i] / np.median(g):,.0f}x the run's "
+            "median)", [int(steps(run)[j]) for j in blown])
+
+
+def check_exploding_gradients(run: Run) -> list:
+    st, g, _ = _grad_series(run)
+    if g is None or len(g) < 6:
+        return []
+    found = [rule(t) for t in _gradient_trends(run) for rule in (_grad_growth, _grad_jumps)]
+    found = [f for f in found + [_blown_up_loss(run, st, g)] if f]
+    if not found:
+        return []
+    return [Finding(
+        "exploding_gradients", "warning", "; ".join(text for text, _ in found) + ".",
+        _steps_list(sorted(s for _, where in found for s in where)),
+        hint="Lower the learning rate, add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, and "
+             "check for unnormalised inputs or a loss that can blow up.")]
+
+
+def _shrinking_gradient(run: Run, t: Trend):
+    growth = t.tail / t.head
+    loss = _finite(column(run, "loss")[segment_ids(run) == t.segment])
+    loss_converged = len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
+    if growth > 1e-3 or loss_converged:
+        return None
+    return Finding(
+        "vanishing_gradients", "warning",
+        f"the gradient norm shrank {1 / growth:,.0f}x, from median {_fmt(t.head)} to {_fmt(t.tail)}, "
+        f"while the loss did not converge{t.where}.",
+        _steps_list([t.steps[0], t.steps[-1]]),
+        hint="Check saturating activations, too-deep plain stacks (add residuals/normalisation), an "
+             "initialisation that is too small, or a learning-rate schedule that decays to ~0.")
+
+
+def _starved_layers(run: Run):
+    layers = section_keys(run, "layer_stats", skip_overall=False)
+    if len(layers) < 2:
+        return None
+    meds = {}
+    for k in layers:
+        v = _finite(column(run, ("layer_stats", k, "grad_norm"))[1:])
+        v = v[v > 0]
+        if len(v):
+            meds[k] = float(np.median(v))
+    top = max(meds.values(), default=0.0)
+    tiny = sorted((k for k, v in meds.items() if v < 1e-5 * top), key=meds.get)
+    if not tiny:
+        return None
+    return Finding(
+        "vanishing_gradients", "warning",
+        f"{len(tiny)} layer(s) get gradients below 1e-5 of the largest layer's ({_fmt(top)}): "
+        + ", ".join(f"{k} ({_fmt(meds[k])})" for k in tiny[:5]) + ("..." if len(tiny) > 5 else "") + ".",
+        _steps_list(steps(run)[1:2]), group=tiny[0],
+        hint="Early layers starving: add residual connections or normalisation, check activations "
+             "and initialisation, or give those layers a larger learning rate.")
+
+
+def check_vanishing_gradients(run: Run) -> list:
+    found = [_shrinking_gradient(run, t) for t in _gradient_trends(run)] + [_starved_layers(run)]
+    return [f for f in found if f is not None]
+
+
+def _loss_spikes(x: np.ndarray, positive: bool):
+    """(spike indices, recent median per point) of one uninterrupted stretch of batch losses."""
     # Batch losses vary multiplicatively (late in training one hard example moves a batch's loss 10x),
     # so judge jumps on a log scale when the loss is positive, against the previous 50 batches.
-    positive = bool(np.all(x > 0))
     y = np.log(x) if positive else x
     med, _ = _prev_window_stats(y, 50, 10, with_mad=False)
     # The noise scale comes from batch-to-batch differences, so a falling loss (a trend) does not pass
@@ -878,9 +1109,22 @@ def check_loss_spikes(run: Run) -> list:
         # far outside the recent noise, at least double the recent level, and visible on the run's scale
         spike = ((y - med) > (6 if positive else 8) * sigma) & (x > 2 * np.abs(recent)) \
             & (x - recent > 0.05 * scale)
-    idx = np.where(spike)[0]
-    if not len(idx):
+    return np.where(spike)[0], recent
+
+
+def check_loss_spikes(run: Run) -> list:
+    loss = column(run, "loss")
+    ok = np.isfinite(loss)
+    x, st, seg = loss[ok], steps(run)[ok], segment_ids(run)[ok]
+    positive = bool(np.all(x > 0))
+    idx, recent = [], np.full(len(x), np.nan)
+    for part in _pieces(seg):   # the window starts again after each restart
+        if len(part) >= 12:
+            found, recent[part] = _loss_spikes(x[part], positive)
+            idx += list(part[found])
+    if not idx:
         return []
+    idx = np.array(idx)
     events = [idx[0]] + [b for a, b in zip(idx[:-1], idx[1:]) if b > a + 1]
     worst = idx[np.argmax(x[idx] / np.maximum(np.abs(recent[idx]), 1e-12))]
     return [Finding(
@@ -899,24 +1143,24 @@ def _sigma(p: float, n: int) -> float:
 
 def check_holdout_at_chance(run: Run) -> list:
     h = holdout_data(run)
-    if not h or h["kind"] != "classification" or not h["num_classes"]:
+    if not h or h.kind != "classification" or not h.num_classes:
         return []
-    ok = np.isfinite(h["accuracy"])
-    acc, st = h["accuracy"][ok], h["steps"][ok]
+    ok = np.isfinite(h.accuracy)
+    acc, st = h.accuracy[ok], h.steps[ok]
     if len(acc) < 5:
         return []
     late = st >= st[0] + 0.75 * (st[-1] - st[0])
     late[-2:] = True
     late_acc = float(np.median(acc[late]))
-    chance = 1.0 / h["num_classes"]
-    n = int(h["n"] or 0) or 50
+    chance = 1.0 / h.num_classes
+    n = int(h.n or 0) or 50
     band = 2 * _sigma(chance, n)
-    single = [p for p in h["predictions_last"] if isinstance(p, list) and p]
+    single = [p for p in h.predictions_last if isinstance(p, list) and p]
     one_class = len(single) >= 2 and all(len(set(p)) == 1 for p in single) and len({p[0] for p in single}) == 1
     if abs(late_acc - chance) <= band:
         why = (f"holdout accuracy is {late_acc:.3f} over the last quarter of the run (steps {int(st[late][0])}-"
                f"{int(st[-1])}), within the noise band of chance {chance:.3f} +/- {band:.3f} "
-               f"(2 binomial sigmas for {n} examples, {h['num_classes']} classes)")
+               f"(2 binomial sigmas for {n} examples, {h.num_classes} classes)")
     elif one_class:
         why = (f"the model predicts class {single[-1][0]} for every holdout example in the last collections "
                f"(accuracy {late_acc:.3f} is just that class's share)")
@@ -963,9 +1207,11 @@ def _smooth3(x: np.ndarray) -> np.ndarray:
 
 
 def _example_losses(h: dict):
-    """Per-example holdout loss of one evaluation (from logits or LM nll), or None."""
-    if isinstance(h.get("nll"), list):
-        return np.array([_num(v) for v in h["nll"]])
+    """Per-example holdout loss of one evaluation (LM nll, regression squared error, or from the
+    classification logits), or None."""
+    for key in ("nll", "squared_error"):
+        if isinstance(h.get(key), list):
+            return np.array([_num(v) for v in h[key]])
     logits, labels = holdout_logits_of(h), h.get("labels")
     if not (isinstance(logits, list) and isinstance(labels, list) and logits and len(logits) == len(labels)):
         return None
@@ -974,7 +1220,7 @@ def _example_losses(h: dict):
         y = np.array(labels, dtype=int)
         z = z - z.max(axis=1, keepdims=True)
         return -(z[np.arange(len(y)), y] - np.log(np.exp(z).sum(axis=1)))
-    except (ValueError, IndexError, TypeError):
+    except (ValueError, IndexError, TypeError, OverflowError):
         return None
 
 
@@ -983,7 +1229,7 @@ def _paired_rise_t(h: dict, best: int, ok_idx: np.ndarray):
 
     The holdout is the same examples every time, so a paired test tells a rise carried by many
     examples (overfitting) from one carried by two or three borderline examples (noise)."""
-    raw = [h["raw"][i] for i in ok_idx]
+    raw = [h.raw[i] for i in ok_idx]
     base = [_example_losses(r) for r in raw[max(0, best - 1): best + 2]]
     end = [_example_losses(r) for r in raw[-3:]]
     arrays = [a for a in base + end if a is not None]
@@ -997,27 +1243,27 @@ def _paired_rise_t(h: dict, best: int, ok_idx: np.ndarray):
     return math.inf if sd == 0 and d.mean() > 0 else (float(d.mean()) / (sd / math.sqrt(len(d))) if sd else 0.0)
 
 
-def check_overfitting(run: Run) -> list:
-    h = holdout_data(run)
-    if not h:
-        return []
-    n = int(h["n"] or 0) or 50
-    key = train_accuracy_key(run)
-    span_start, span_end = h["steps"][0], h["steps"][-1]
-    span = max(span_end - span_start, 1)
-    # A meaningful generalisation gap, when train accuracy is known; a 50-example holdout wobbles by
-    # several points, so the gap must clear both 15 points and the holdout's binomial noise.
-    gap_ok, gap_text = None, ""
-    acc_ok = np.isfinite(h["accuracy"])
-    if key and acc_ok.sum() >= 3:
-        hold_end = float(np.median(h["accuracy"][acc_ok][-3:]))
-        gap = _edge_median(column(run, key), "last") - hold_end
-        gap_ok = gap >= max(0.15, 2 * _sigma(hold_end, n))
-        gap_text = f"; train accuracy {_edge_median(column(run, key), 'last'):.3f} vs holdout {hold_end:.3f}"
+def _generalisation_gap(run: Run, h: Holdout, key, n: int):
+    """(is the train-holdout accuracy gap meaningful? None when train accuracy is unknown, its text).
+
+    A 50-example holdout wobbles by several points, so the gap must clear both 15 points and the
+    holdout's binomial noise."""
+    acc_ok = np.isfinite(h.accuracy)
+    if not (key and acc_ok.sum() >= 3):
+        return None, ""
+    hold_end = float(np.median(h.accuracy[acc_ok][-3:]))
+    train_end = _edge_median(column(run, key), "last")
+    gap_ok = train_end - hold_end >= max(0.15, 2 * _sigma(hold_end, n))
+    return gap_ok, f"; train accuracy {train_end:.3f} vs holdout {hold_end:.3f}"
+
+
+def _holdout_got_worse(run: Run, h: Holdout, n: int, gap_ok):
+    """([reasons], [steps]): holdout loss or accuracy past its best while the train side improved."""
+    span = max(h.steps[-1] - h.steps[0], 1)
     reasons, where = [], []
     for metric, sign in (("loss", 1), ("accuracy", -1)):
-        ok = np.isfinite(h[metric])
-        x, st = h[metric][ok], h["steps"][ok]
+        ok = np.isfinite(getattr(h, metric))
+        x, st = getattr(h, metric)[ok], h.steps[ok]
         if len(x) < 5:
             continue
         sm = _smooth3(x)
@@ -1039,17 +1285,38 @@ def check_overfitting(run: Run) -> list:
             if improved:
                 reasons.append(f"{change} while {how}")
                 where += [int(st[b]), int(st[-1])]
-    if key and acc_ok.sum() >= 5 and not reasons and gap_ok:
-        hacc, hst = h["accuracy"][acc_ok], h["steps"][acc_ok]
-        half = hst >= span_start + 0.5 * span
-        tacc = column(run, key)
-        thalf = steps(run) >= span_start + 0.5 * span
-        t_gain = _edge_median(tacc[thalf], "last", 0.25, 2) - _edge_median(tacc[thalf], "first", 0.25, 2)
-        h_gain = _edge_median(hacc[half], "last", 0.25, 2) - _edge_median(hacc[half], "first", 0.25, 2)
-        if t_gain >= 0.05 and h_gain <= max(0.02, _sigma(float(np.median(hacc[-3:])), n)):
-            reasons.append(f"over the second half train accuracy rose {t_gain:+.3f} while holdout accuracy "
-                           f"moved {h_gain:+.3f}")
-            where += [int(hst[half][0]), int(hst[-1])]
+    return reasons, where
+
+
+def _train_outpaces_holdout(run: Run, h: Holdout, key, n: int):
+    """(reason, [steps]) when over the second half train accuracy rose and holdout accuracy did not."""
+    acc_ok = np.isfinite(h.accuracy)
+    if acc_ok.sum() < 5:
+        return None
+    span_start, span = h.steps[0], max(h.steps[-1] - h.steps[0], 1)
+    hacc, hst = h.accuracy[acc_ok], h.steps[acc_ok]
+    half = hst >= span_start + 0.5 * span
+    tacc = column(run, key)
+    thalf = steps(run) >= span_start + 0.5 * span
+    t_gain = _edge_median(tacc[thalf], "last", 0.25, 2) - _edge_median(tacc[thalf], "first", 0.25, 2)
+    h_gain = _edge_median(hacc[half], "last", 0.25, 2) - _edge_median(hacc[half], "first", 0.25, 2)
+    if t_gain >= 0.05 and h_gain <= max(0.02, _sigma(float(np.median(hacc[-3:])), n)):
+        return (f"over the second half train accuracy rose {t_gain:+.3f} while holdout accuracy moved "
+                f"{h_gain:+.3f}", [int(hst[half][0]), int(hst[-1])])
+    return None
+
+
+def check_overfitting(run: Run) -> list:
+    h = holdout_data(run)
+    if not h:
+        return []
+    n = int(h.n or 0) or 50
+    key = train_accuracy_key(run)
+    gap_ok, gap_text = _generalisation_gap(run, h, key, n)
+    reasons, where = _holdout_got_worse(run, h, n, gap_ok)
+    if key and not reasons and gap_ok and (found := _train_outpaces_holdout(run, h, key, n)):
+        reasons.append(found[0])
+        where += found[1]
     if not reasons:
         return []
     return [Finding(
@@ -1058,10 +1325,12 @@ def check_overfitting(run: Run) -> list:
              "augmentation), use more data or a smaller model.")]
 
 
-def _forgetting_stats(correct: np.ndarray) -> dict:
-    events = correct[:, :-1] & ~correct[:, 1:]
+def _forgetting_stats(correct: np.ndarray, same: np.ndarray) -> dict:
+    """Forgetting counts of an examples x collections right/wrong matrix; `same` marks the pairs of
+    successive collections inside one segment (a change across a restart is no event)."""
+    events = correct[:, :-1] & ~correct[:, 1:] & same
     per_example = events.sum(axis=1)
-    stable = (correct[:, :-1] & correct[:, 1:]).any(axis=1)
+    stable = (correct[:, :-1] & correct[:, 1:] & same).any(axis=1)
     lost = stable & ~correct[:, -1] & ~correct[:, -2]
     return {"events": int(events.sum()), "examples": int((per_example > 0).sum()), "learned": int(stable.sum()),
             "lost": int(lost.sum()), "first_steps": np.where(events.any(axis=0))[0]}
@@ -1069,14 +1338,14 @@ def _forgetting_stats(correct: np.ndarray) -> dict:
 
 def check_forgetting(run: Run) -> list:
     h = holdout_data(run)
-    if not h or h["kind"] != "classification" or h["correct"] is None or h["correct"].shape[1] < 4:
+    if not h or h.kind != "classification" or h.correct is None or h.correct.shape[1] < 4:
         return []
-    correct = h["correct"].astype(bool)
+    correct = h.correct.astype(bool)
     n = correct.shape[0]
-    f = _forgetting_stats(correct)
+    f = _forgetting_stats(correct, h.matrix_segments[:-1] == h.matrix_segments[1:])
     if not f["events"]:
         return []
-    st = h["matrix_steps"]
+    st = h.matrix_steps
     event_steps = st[f["first_steps"] + 1]
     msg = (f"{f['events']} forgetting event(s) (an example right at one collection and wrong at the next; "
            f"Toneva et al. 2019) across {f['examples']} of {n} holdout examples; "
@@ -1118,9 +1387,11 @@ def check_class_imbalance(run: Run) -> list:
         return []
     names, m, sizes, st = bc
     h = holdout_data(run)
+    if h and h.kind == "regression":
+        return []   # the batch "labels" are regression targets, not classes
     k = len(names)
-    if h and h["kind"] == "classification" and h["num_classes"] and h["num_classes"] <= 32:
-        k = max(k, h["num_classes"])
+    if h and h.kind == "classification" and h.num_classes and h.num_classes <= 32:
+        k = max(k, h.num_classes)
     if k < 2 or sizes.sum() <= 0:
         return []
     total = m.sum(axis=0)
@@ -1133,8 +1404,8 @@ def check_class_imbalance(run: Run) -> list:
     if significant and (shares[lo] <= 0 or shares[hi] / shares[lo] >= 2):
         reasons.append(f"train batches are {', '.join(f'{labels[i]}: {shares[i]:.1%}' for i in range(k))} "
                        f"over {len(sizes)} batches (balanced would be {expected:.1%} each)")
-    if h and h["kind"] == "classification" and h["labels"] is not None and len(h["labels"]) >= 20:
-        hl = h["labels"]
+    if h and h.kind == "classification" and h.labels is not None and len(h.labels) >= 20:
+        hl = h.labels
         nh = len(hl)
         for i, c in enumerate(names):
             try:
@@ -1188,69 +1459,133 @@ def check_lora(run: Run) -> list:
              "params have requires_grad=True and lr > 0, and that gradients reach them.")]
 
 
-def check_alerts_and_errors(run: Run) -> list:
-    alerts, errors = {}, {}
+def check_telemetry_alerts(run: Run) -> list:
+    """The alerts telemetry.py raised while training, one finding per (code, group), at the worst
+    severity seen; they keep the writer's codes."""
+    alerts = {}
     for r in run.records:
         for a in r.get("alerts") or []:
-            if not isinstance(a, dict) or not a.get("code"):
+            if not isinstance(a, dict) or not isinstance(a.get("code"), str) or not a["code"]:
                 continue
-            key = (str(a["code"]), a.get("group"))
-            entry = alerts.setdefault(key, {"steps": [], "message": str(a.get("message", "")), "severity": "info"})
+            key = (a["code"], a.get("group") if isinstance(a.get("group"), str) else None)
+            entry = alerts.setdefault(key, {"steps": [], "message": _text(a.get("message", ""), 2000),
+                                            "severity": "info"})
             sev = a.get("severity") if a.get("severity") in SEVERITIES else "warning"
             if SEVERITIES.index(sev) > SEVERITIES.index(entry["severity"]):
                 entry["severity"] = sev
             entry["steps"].append(r["step"])
+    return [Finding(
+        code, a["severity"],
+        f"telemetry alert at step {a['steps'][0]}" + (f" (group '{group}')" if group else "") + f": {a['message']}"
+        + (f" (raised {len(a['steps'])} times)" if len(a["steps"]) > 1 else ""),
+        _steps_list(a["steps"]), group=group, source="telemetry",
+        hint="Raised by telemetry.py while training; see the matching analyzer finding if there is one.")
+        for (code, group), a in alerts.items()]
+
+
+def _section_errors(run: Run) -> dict:
+    """{section: {"rows": record indices, "steps": their steps, "message": the first error}} from the
+    records' `errors` ({section: "ErrorType: message"}: telemetry.py records a failing section there
+    and goes on without it)."""
+    errors = {}
+    for i, r in enumerate(run.records):
         errs = r.get("errors")
         if isinstance(errs, dict):
             for section, text in errs.items():
-                e = errors.setdefault(section, {"steps": [], "message": str(text)})
+                e = errors.setdefault(section, {"rows": [], "steps": [], "message": _text(text, 2000)})
+                e["rows"].append(i)
                 e["steps"].append(r["step"])
-    findings = []
-    for (code, group), a in alerts.items():
-        findings.append(Finding(
-            code, a["severity"],
-            f"telemetry alert at step {a['steps'][0]}"
-            + (f" (group '{group}')" if group else "") + f": {a['message']}"
-            + (f" (raised {len(a['steps'])} times)" if len(a["steps"]) > 1 else ""),
-            _steps_list(a["steps"]), group=group, source="telemetry",
-            hint="Raised by telemetry.py while training; see the matching analyzer finding if there is one."))
-    if errors:
-        parts = [f"{s} failed in {len(e['steps'])} record(s) from step {e['steps'][0]} ({e['message']})"
-                 for s, e in errors.items()]
-        findings.append(Finding(
-            "metric_errors", "warning", "; ".join(parts) + ". Those sections are missing from those records.",
-            _steps_list(sorted(s for e in errors.values() for s in e["steps"])),
-            hint="Fix the cause shown (often a batch format telemetry did not understand: pass batch_label_key, "
-                 "or a holdout forward); run with strict=True to get the traceback."))
-    return findings
+    return errors
+
+
+CORE_SECTIONS = ("holdout_logits", "gradient_norm", "weight_delta")
+
+
+def _failed_everywhere(run: Run, errors: dict) -> list:
+    """The core sections that failed at every collection where they were expected: every record,
+    except for weight_delta the first of each segment (no reference to compare with yet)."""
+    out = []
+    for section in CORE_SECTIONS:
+        if section not in errors:
+            continue
+        failed = np.zeros(len(run.records), dtype=bool)
+        failed[errors[section]["rows"]] = True
+        expected = np.ones(len(run.records), dtype=bool)
+        if section == "weight_delta":
+            expected[[p[0] for p in _pieces(segment_ids(run))]] = False
+        if expected.any() and failed[expected].all():
+            out.append(section)
+    return out
+
+
+def check_section_failed(run: Run) -> list:
+    errors = _section_errors(run)
+    return [Finding(
+        "section_failed", "critical",
+        f"{section} failed at every collection ({len(errors[section]['rows'])} of {len(run.records)} records), "
+        f"first at step {errors[section]['steps'][0]}: {errors[section]['message']}",
+        _steps_list(errors[section]["steps"]), group=section,
+        hint="Fix the cause shown: telemetry.py records a failing section and goes on without it, so this run "
+             "has none of it. Run with strict=True to get the traceback.")
+        for section in _failed_everywhere(run, errors)]
+
+
+def check_metric_errors(run: Run) -> list:
+    errors = _section_errors(run)
+    for section in _failed_everywhere(run, errors):
+        del errors[section]   # check_section_failed's finding
+    if not errors:
+        return []
+    parts = [f"{s} failed in {len(e['steps'])} record(s) from step {e['steps'][0]} ({e['message']})"
+             for s, e in errors.items()]
+    return [Finding(
+        "metric_errors", "warning", "; ".join(parts) + ". Those sections are missing from those records.",
+        _steps_list(sorted(s for e in errors.values() for s in e["steps"])),
+        hint="Fix the cause shown (often a batch format telemetry did not understand: pass batch_label_key, "
+             "or a holdout forward); run with strict=True to get the traceback.")]
+
+
+# In the order their findings are listed before sorting by severity; telemetry's alerts come last so
+# that they can fold into the analyzer's finding on the same problem.
+CHECKS = (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_groups, check_not_learning,
+          check_exploding_gradients, check_vanishing_gradients, check_loss_spikes, check_holdout_at_chance,
+          check_overfitting, check_forgetting, check_class_imbalance, check_lora, check_section_failed,
+          check_telemetry_alerts, check_metric_errors)
+
+
+CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
 
 
 def diagnose(run: Run) -> list:
     """All findings for a run, most severe first."""
-    with gc_paused():
-        return _diagnose(run)
-
-
-def _diagnose(run: Run) -> list:
     findings = []
-    for check in (check_nonfinite, check_missing_gradients, check_lr_zero, check_frozen_groups,
-                  check_not_learning, check_gradients, check_loss_spikes, check_holdout_at_chance,
-                  check_overfitting, check_forgetting, check_class_imbalance, check_lora):
-        findings += check(run)
-    # An alert telemetry raised on a problem the analyzer also found is folded into that finding
-    # (a group frozen because its LR is 0 is the lr_zero finding's business).
-    for alert in check_alerts_and_errors(run):
-        same = ("frozen_group", "lr_zero") if alert.code == "frozen_group" else (alert.code,)
-        twin = next((f for f in findings if f.code in same and f.source == "analyzer"
-                     and (alert.group is None or f.group in (None, alert.group))), None)
-        if twin is None:
-            findings.append(alert)
-            continue
-        twin.message += f" [telemetry alert {alert.code} at step {alert.steps[0]}]"
-        if SEVERITIES.index(alert.severity) > SEVERITIES.index(twin.severity):
-            twin.severity = alert.severity
+    with gc_paused():
+        for check in CHECKS:
+            try:
+                found = check(run)
+            except Exception as exc:
+                _notice(run, f"{CHECK_FAILED} {check.__name__} ({type(exc).__name__}: {_first_line(exc)}); "
+                             "its findings are left out")
+                continue
+            for f in found:
+                if not (f.source == "telemetry" and _fold_alert(findings, f)):
+                    findings.append(f)
     findings.sort(key=lambda f: (-SEVERITIES.index(f.severity), f.steps[0] if f.steps else 0))
     return findings
+
+
+def _fold_alert(findings: list, alert: Finding) -> bool:
+    """Fold an alert telemetry raised into the analyzer's finding on the same problem, if there is one
+    (a group frozen because its LR is 0 is the lr_zero finding's business)."""
+    same = ("frozen_group", "lr_zero") if alert.code == "frozen_group" else (alert.code,)
+    twin = next((f for f in findings if f.code in same and f.source == "analyzer"
+                 and (alert.group is None or f.group in (None, alert.group))), None)
+    if twin is None:
+        return False
+    twin.message += f" [telemetry alert {alert.code} at step {alert.steps[0]}]"
+    if SEVERITIES.index(alert.severity) > SEVERITIES.index(twin.severity):
+        twin.severity = alert.severity
+    return True
 
 
 def summarize(run: Run, findings: list = None) -> dict:
@@ -1263,12 +1598,8 @@ def summarize(run: Run, findings: list = None) -> dict:
     s["first_step"], s["last_step"] = int(st[0]), int(st[-1])
     epochs = _finite(column(run, "epoch"))
     s["epochs"] = int(epochs.max()) + 1 if len(epochs) else None
-    try:
-        t0 = datetime.fromisoformat(str(recs[0].get("timestamp")))
-        t1 = datetime.fromisoformat(str(recs[-1].get("timestamp")))
-        s["duration_s"] = round((t1 - t0).total_seconds(), 1)
-    except ValueError:
-        s["duration_s"] = None
+    s["duration_s"] = _duration_s(run)
+    s["restarts"] = _restarts(run)
     s["groups"] = _groups(run, "gradient_norm") or _groups(run, "learning_rates")
     s["trainable_parameters"] = _get(run.meta, ["parameters", "trainable"])
     loss = column(run, "loss")
@@ -1278,14 +1609,8 @@ def summarize(run: Run, findings: list = None) -> dict:
         s["train_acc_last"] = _edge_median(column(run, key), "last", 0.1)
     h = holdout_data(run)
     if h:
-        acc, hl = h["accuracy"], h["loss"]
-        s["holdout_examples"] = int(h["n"] or 0)
-        s["holdout_acc_first"] = float(_finite(acc)[0]) if len(_finite(acc)) else None
-        s["holdout_acc_last"] = float(_finite(acc)[-1]) if len(_finite(acc)) else None
-        s["holdout_acc_best"] = float(np.max(_finite(acc))) if len(_finite(acc)) else None
-        s["holdout_loss_last"] = float(_finite(hl)[-1]) if len(_finite(hl)) else None
-        s["holdout_loss_best"] = float(np.min(_finite(hl))) if len(_finite(hl)) else None
-    _, g = _grad_series(run)
+        s.update(_holdout_summary(h))
+    _, g, _ = _grad_series(run)
     s["grad_norm_median"] = float(np.median(g)) if g is not None and len(g) else None
     wd = _finite(column(run, "weight_delta.overall"))
     s["weight_delta_median"] = float(np.median(wd)) if len(wd) else None
@@ -1304,6 +1629,49 @@ def summarize(run: Run, findings: list = None) -> dict:
     return s
 
 
+def _holdout_summary(h: Holdout) -> dict:
+    acc, loss, mae = _finite(h.accuracy), _finite(h.loss), _finite(h.mae)
+    s = {"holdout_examples": int(h.n or 0),
+         "holdout_acc_first": float(acc[0]) if len(acc) else None,
+         "holdout_acc_last": float(acc[-1]) if len(acc) else None,
+         "holdout_acc_best": float(np.max(acc)) if len(acc) else None,
+         "holdout_loss_last": float(loss[-1]) if len(loss) else None,
+         "holdout_loss_best": float(np.min(loss)) if len(loss) else None}
+    if len(mae):   # regression holdouts
+        s["holdout_mae_last"], s["holdout_mae_best"] = float(mae[-1]), float(np.min(mae))
+    return s
+
+
+def _time(rec: dict):
+    t = rec.get("timestamp")
+    try:
+        return datetime.fromisoformat(t) if isinstance(t, str) else None
+    except ValueError:
+        return None
+
+
+def _duration_s(run: Run):
+    """Seconds of training: each segment's first-to-last record time, summed, so the time between a stop
+    and the resume after it does not count. None when a segment's ends have no readable timestamp."""
+    total = 0.0
+    for part in _pieces(segment_ids(run)):
+        t0, t1 = _time(run.records[part[0]]), _time(run.records[part[-1]])
+        try:
+            total += (t1 - t0).total_seconds()
+        except TypeError:   # a timestamp missing, or one with a time zone and one without
+            return None
+    return round(total, 1)
+
+
+def _restarts(run: Run) -> list:
+    """Each restart: the step it began at, its index into run.json's starts (None when the step went back
+    without a marker) and that start's time."""
+    starts = run.meta.get("starts") or []
+    return [{"step": r["step"], "start": r["start"],
+             "time": starts[r["start"]] if r["start"] is not None and r["start"] < len(starts) else None}
+            for r in run.restarts]
+
+
 # ---- Plots ------------------------------------------------------------------------------------------
 # One function per PNG. Each returns None when written, or a one-line reason when its data is absent,
 # so a missing section never produces an empty chart.
@@ -1319,7 +1687,13 @@ LINESTYLES = ["-", "--", ":", "-."]
 
 
 def _label(runs, run, what):
-    return what if len(runs) == 1 else f"{run.name}: {what}"
+    text = what if len(runs) == 1 else f"{run.name}: {what}"
+    return _escaped(text)   # the font renderer rejects a lone surrogate (from a damaged group name)
+
+
+def _escaped(text: str, encoding: str = "utf-8") -> str:
+    """text with what `encoding` cannot hold (lone surrogates) written as backslash escapes."""
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _auto_log(ax, arrays, axis="y"):
@@ -1330,15 +1704,28 @@ def _auto_log(ax, arrays, axis="y"):
         (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
 
 
+def _save(fig, path, title):
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
 def _finish(fig, ax_list, path, title):
     for ax in ax_list:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="best")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    _save(fig, path, title)
+
+
+def _finish_steps(fig, ax, path, title, ylabel, unit=False):
+    """Finish a one-panel chart over steps; unit=True holds the y axis at 0..1 (shares, accuracies)."""
+    if unit:
+        ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    _finish(fig, [ax], path, title)
 
 
 def _group_lines(runs, path, section, title, ylabel, guide=None):
@@ -1362,9 +1749,7 @@ def _group_lines(runs, path, section, title, ylabel, guide=None):
     _auto_log(ax, [y for *_, y in series])
     if guide is not None:
         ax.axhline(guide[0], color="grey", ls="--", lw=1, label=guide[1])
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    _finish(fig, [ax], path, title)
+    _finish_steps(fig, ax, path, title, ylabel)
     return None
 
 
@@ -1393,7 +1778,7 @@ def plot_loss(runs, path):
         y = column(run, "loss")
         h = holdout_data(run)
         data.append((ri, run, y, h))
-    if not any(np.isfinite(y).any() or (h and np.isfinite(h["loss"]).any()) for _, _, y, h in data):
+    if not any(np.isfinite(y).any() or (h and np.isfinite(h.loss).any()) for _, _, y, h in data):
         return "no train loss and no holdout loss in any record"
     fig, ax = plt.subplots(figsize=(10, 4.5))
     arrays = []
@@ -1410,36 +1795,36 @@ def plot_loss(runs, path):
                         color="C0" if len(runs) == 1 else f"C{ri}", lw=1.8,
                         label=_label(runs, run, f"train loss (rolling median of {w})"))
             arrays.append(v)
-        if h and np.isfinite(h["loss"]).any():
-            ok = np.isfinite(h["loss"])
-            ax.plot(h["steps"][ok], h["loss"][ok], LINESTYLES[ri % 4], color="C3" if len(runs) == 1 else f"C{ri}",
+        if h and np.isfinite(h.loss).any():
+            ok = np.isfinite(h.loss)
+            ax.plot(h.steps[ok], h.loss[ok], LINESTYLES[ri % 4], color="C3" if len(runs) == 1 else f"C{ri}",
                     marker="o", ms=3, lw=1.5, label=_label(runs, run, "holdout loss"))
-            arrays.append(h["loss"][ok])
+            arrays.append(h.loss[ok])
     _auto_log(ax, arrays)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    _finish(fig, [ax], path, "Train loss vs holdout loss")
+    _finish_steps(fig, ax, path, "Train loss vs holdout loss", "loss")
     return None
 
 
 def plot_accuracy(runs, path):
     plt = _pyplot()
-    if not any((h := holdout_data(r)) and np.isfinite(h["accuracy"]).any() for r in runs) \
+    if not any((h := holdout_data(r)) and np.isfinite(h.accuracy).any() for r in runs) \
             and not any(train_accuracy_key(r) for r in runs):
+        if any((h := holdout_data(r)) and h.kind == "regression" for r in runs):
+            return "the holdout is regression: no accuracy to draw (its mean squared error is in loss.png)"
         return "no holdout accuracy and no train accuracy scalar in any record"
     fig, ax = plt.subplots(figsize=(10, 4.5))
     chance_drawn = False
     for ri, run in enumerate(runs):
         h = holdout_data(run)
         color = f"C{ri}" if len(runs) > 1 else "C3"
-        if h and np.isfinite(h["accuracy"]).any():
-            ok = np.isfinite(h["accuracy"])
-            ax.plot(h["steps"][ok], h["accuracy"][ok], LINESTYLES[ri % 4], color=color, marker="o", ms=3,
+        if h and np.isfinite(h.accuracy).any():
+            ok = np.isfinite(h.accuracy)
+            ax.plot(h.steps[ok], h.accuracy[ok], LINESTYLES[ri % 4], color=color, marker="o", ms=3,
                     label=_label(runs, run, "holdout accuracy"))
-            if h["kind"] == "classification" and h["num_classes"] and not chance_drawn:
-                p0, n = 1.0 / h["num_classes"], int(h["n"] or 50)
+            if h.kind == "classification" and h.num_classes and not chance_drawn:
+                p0, n = 1.0 / h.num_classes, int(h.n or 50)
                 band = 2 * _sigma(p0, n)
-                ax.axhline(p0, color="grey", ls="--", lw=1, label=f"chance 1/{h['num_classes']}")
+                ax.axhline(p0, color="grey", ls="--", lw=1, label=f"chance 1/{h.num_classes}")
                 ax.axhspan(p0 - band, p0 + band, color="grey", alpha=0.12, label=f"chance +/- 2 sigma (n={n})")
                 chance_drawn = True
         key = train_accuracy_key(run)
@@ -1448,10 +1833,7 @@ def plot_accuracy(runs, path):
             ok = np.isfinite(y)
             ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ri}" if len(runs) > 1 else "C0",
                     lw=0.8, alpha=0.6, label=_label(runs, run, f"train accuracy ({key})"))
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("accuracy")
-    _finish(fig, [ax], path, "Holdout accuracy (and train accuracy)")
+    _finish_steps(fig, ax, path, "Holdout accuracy (and train accuracy)", "accuracy", unit=True)
     return None
 
 
@@ -1485,10 +1867,7 @@ def plot_batch_balance(runs, path):
                 ok = np.isfinite(y)
                 if ok.any():
                     ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ci}", label=_label(runs, run, what))
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("share of batch")
-    _finish(fig, [ax], path, "Batch balance over time")
+    _finish_steps(fig, ax, path, "Batch balance over time", "share of batch", unit=True)
     return None
 
 
@@ -1502,17 +1881,17 @@ def _heat_columns(matrix, max_cols=1500):
 def plot_holdout_heatmap(runs, path):
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
-    panels = [(run, h) for run in runs if (h := holdout_data(run)) and h["correct"] is not None
-              and h["correct"].shape[1] >= 2]
+    panels = [(run, h) for run in runs if (h := holdout_data(run)) and h.correct is not None
+              and h.correct.shape[1] >= 2]
     if not panels:
         return "no per-example holdout predictions (holdout_logits labels/predictions) in at least 2 records"
     panels = panels[:4]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.5 + 3.5 * len(panels)), squeeze=False)
     for ax, (run, h) in zip(axes[:, 0], panels):
-        mat = h["correct"]
+        mat = h.correct
         cols = _heat_columns(mat)
-        st = h["matrix_steps"][cols]
-        if h["kind"] == "classification":
+        st = h.matrix_steps[cols]
+        if h.kind == "classification":
             c = mat.astype(bool)
             ever = c.any(axis=1)
             flips = (c[:, :-1] & ~c[:, 1:]).any(axis=1)
@@ -1535,17 +1914,16 @@ def plot_holdout_heatmap(runs, path):
             ax.set_title(_label(runs, run, "per-example holdout correctness (green = right, red = wrong)"),
                          fontsize=10)
         else:
+            what = "absolute error" if h.kind == "regression" else "token accuracy"
+            top = float(np.nanpercentile(mat, 99)) if h.kind == "regression" and np.isfinite(mat).any() else 1.0
             order = np.argsort(mat[:, -1])
             im = ax.imshow(mat[order][:, cols], aspect="auto", interpolation="nearest", cmap="viridis",
-                           vmin=0, vmax=1, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
-            fig.colorbar(im, ax=ax, label="token accuracy")
-            ax.set_ylabel("holdout example (sorted by final accuracy)")
-            ax.set_title(_label(runs, run, "per-example holdout token accuracy"), fontsize=10)
+                           vmin=0, vmax=top or 1.0, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
+            fig.colorbar(im, ax=ax, label=what)
+            ax.set_ylabel(f"holdout example (sorted by final {what.split()[-1]})")
+            ax.set_title(_label(runs, run, f"per-example holdout {what}"), fontsize=10)
         ax.set_xlabel("step")
-    fig.suptitle("Holdout examples over time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path, "Holdout examples over time")
     return None
 
 
@@ -1607,14 +1985,11 @@ def plot_layer_heatmap(runs, path):
         fig.colorbar(im, ax=ax, label="gradient norm (log)")
         if len(layers) <= 60:
             ax.set_yticks(range(len(layers)))
-            ax.set_yticklabels([k if len(k) <= 40 else "..." + k[-37:] for k in layers], fontsize=6)
+            ax.set_yticklabels([_escaped(k if len(k) <= 40 else "..." + k[-37:]) for k in layers], fontsize=6)
         ax.set_ylabel("layer")
         ax.set_xlabel("step")
         ax.set_title(_label(runs, run, "per-layer gradient norm (grey = zero or absent)"), fontsize=10)
-    fig.suptitle("Per-layer gradient norm")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path, "Per-layer gradient norm")
     return None
 
 
@@ -1643,10 +2018,8 @@ def plot_sparsity(runs, path):
     for ri, run, what, ls, ti, x, y in series:
         ax.plot(x, y, ls if len(runs) == 1 else LINESTYLES[ri % 4], color=f"C{ti % 10}",
                 label=_label(runs, run, what))
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("step")
-    ax.set_ylabel("share of weights that (almost) did not change")
-    _finish(fig, [ax], path, "Parameter-change sparsity")
+    _finish_steps(fig, ax, path, "Parameter-change sparsity", "share of weights that (almost) did not change",
+                  unit=True)
     return None
 
 
@@ -1711,9 +2084,9 @@ def plot_system(runs, path):
             if ok.any():
                 ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ri}", label=_label(runs, run, k)
                         if len(runs) > 1 else None)
-        ax.set_title(k, fontsize=10)
+        ax.set_title(_escaped(k), fontsize=10)
         ax.set_xlabel("step")
-        ax.set_ylabel(k)
+        ax.set_ylabel(_escaped(k))
         axes.append(ax)
     _finish(fig, axes, path, "System metrics")
     return None
@@ -1795,6 +2168,11 @@ def format_text(results) -> str:
             bits.append(f"grad norm ~{_fmt(s['grad_norm_median'])}")
         if bits:
             out.append("  " + " | ".join(bits))
+        if s.get("restarts"):
+            out.append("  restarts: " + ", ".join(
+                f"step {r['step']} (start {r['start']}" + (f", {r['time']}" if r["time"] else "") + ")"
+                if r["start"] is not None else f"step {r['step']} (the step went back; no restart marker)"
+                for r in s["restarts"]))
         for n in run.notices:
             out.append(f"  notice: {n}")
         if not run.records:
@@ -1876,19 +2254,15 @@ def write_report(results, written, skipped, out_dir: Path) -> Path:
                      + "".join(f"<li>{e(n)}: {e(w)}</li>" for n, w in skipped) + "</ul>")
     parts.append("</body></html>")
     path = out_dir / "report.html"
-    path.write_text("\n".join(parts), encoding="utf-8")
+    path.write_text("\n".join(parts), encoding="utf-8", errors="backslashreplace")
     return path
 
 
 def write_csv(runs, path) -> int:
     """One flat row per record (a leading `run` column when several runs go into one file)."""
-    all_cols, all_rows = {}, []
-    for run in runs:
-        cols, rows = flat_rows(run)
-        all_cols.update(dict.fromkeys(cols))
-        all_rows += [(run.name, r) for r in rows]
-    columns = (["run"] if len(runs) > 1 else []) + list(all_cols)
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    all_cols, all_rows = merged_rows(runs)
+    columns = (["run"] if len(runs) > 1 else []) + all_cols
+    with open(path, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
         w = csv.writer(f)
         w.writerow(columns)
         for name, row in all_rows:
@@ -1915,7 +2289,7 @@ def export_tensorboard(runs, log_dir) -> str:
         writer = SummaryWriter(log_dir=str(Path(log_dir) / run.name) if len(runs) > 1 else str(log_dir))
         for rec in run.records:
             for k, v in flat_record(rec).items():
-                if k in ("step", "schema") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                if k in ("step", "schema") or not math.isfinite(_num(v)):
                     continue
                 writer.add_scalar(k.replace(".", "/"), v, global_step=rec["step"])
                 count += 1
@@ -1968,10 +2342,16 @@ def _analyze(runs, args, want_plots):
     return results, where
 
 
+def _emit(text: str, file=None, **kwargs) -> None:
+    """print, with what the stream cannot encode (a lone surrogate from a damaged record) escaped."""
+    file = file or sys.stdout
+    print(_escaped(text, getattr(file, "encoding", None) or "utf-8"), file=file, **kwargs)
+
+
 def _print_where(where, stream):
     out, report, written, skipped = where
     for name, why in skipped:
-        print(f"skipped {name}: {why}", file=stream)
+        _emit(f"skipped {name}: {why}", file=stream)
     print(f"wrote {len(written)} plot(s) and {report} (plots in {out})", file=stream)
 
 
@@ -1988,7 +2368,7 @@ def watch(runs, args, want_plots) -> int:
         results, where = _analyze(runs, args, want_plots and any(r.records for r in runs))
         for run, findings, _ in results:
             for n in run.notices[notices_shown[run.name]:]:
-                print(f"[{run.name}] notice: {n}", flush=True)
+                _emit(f"[{run.name}] notice: {n}", flush=True)
             notices_shown[run.name] = len(run.notices)
             for f in findings:
                 # Keyed with the severity, so a warning that turns critical is told once more.
@@ -1996,7 +2376,7 @@ def watch(runs, args, want_plots) -> int:
                 if key not in seen:
                     seen.add(key)
                     step = run.records[-1]["step"] if run.records else "?"
-                    print(f"[{run.name}] step {step}: {f.severity.upper()} {f.code}: {f.message}", flush=True)
+                    _emit(f"[{run.name}] step {step}: {f.severity.upper()} {f.code}: {f.message}", flush=True)
         return results, where
 
     first = True
@@ -2052,7 +2432,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(findings_json(results), indent=1, default=float, allow_nan=False))
     else:
-        print(format_text(results))
+        _emit(format_text(results))
     if where:
         _print_where(where, info)
     if args.tensorboard:

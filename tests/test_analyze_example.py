@@ -25,6 +25,7 @@ def train_and_analyze(tmp_path, scenario, *flags):
     analyze = subprocess.run([PY, str(ROOT / "analyze_telemetry.py"), str(out), "--json", "--check"],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
     report = json.loads(analyze.stdout)
+    assert not [n for n in report["notices"] if "analysis check failed" in n], report["notices"]
     return analyze.returncode, report
 
 

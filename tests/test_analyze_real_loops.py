@@ -1,0 +1,267 @@
+"""The analyzer on runs of real training loops made here with telemetry.py: a run resumed by a second
+process, another run appended to the same file, a section that fails at every collection, regression
+holdouts, and several runs in one DataFrame.
+
+Where a record field is newer than the telemetry.py in this checkout (the `start` marker of a process
+start, the regression holdout), the test writes it into the real records itself, in the documented format.
+"""
+
+import csv
+import json
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import analyze_telemetry as at  # noqa: E402
+
+
+def train_process(out, steps, seed, holdout=None, forward=None, lr=0.05, collect_every_n=1, **config):
+    """One process start on run directory `out`: a fresh 3-class MLP trained `steps` batches with the real
+    TrainingTelemetry. Returns the record lines this process appended."""
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(0))
+    y = (x @ torch.randn(6, 3, generator=torch.Generator().manual_seed(1))).argmax(1)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    records = Path(out) / "telemetry.jsonl"
+    before = records.read_text().splitlines() if records.exists() else []
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=collect_every_n,
+                                            holdout_size=24, **config))
+    if holdout is not None or forward is not None:
+        tel.set_holdout_data((x[:24], y[:24]), forward=forward)
+    for i in range(1, steps + 1):
+        idx = torch.randint(24, 64, (32,), generator=gen)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, 0, batch={"x": x[idx], "labels": y[idx]}, loss=loss.item())
+    tel.close()
+    return records.read_text().splitlines()[len(before):]
+
+
+def write_lines(path, recs, meta):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (path / "run.json").write_text(json.dumps(meta))
+    return path
+
+
+def codes(path):
+    run = at.load_run(path, progress=False)
+    found = at.diagnose(run)
+    assert not [n for n in run.notices if at.CHECK_FAILED in n], run.notices
+    return run, {f.code: f for f in found}
+
+
+# ---- restarts ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A real run directory trained by two processes: 30 collections that drive the loss near 0, then a
+    second process that starts from a fresh model (its loss back near log 3)."""
+    out = tmp_path_factory.mktemp("resumed") / "run"
+    first = [json.loads(line) for line in train_process(out, 30, seed=0, holdout=True)]
+    second = [json.loads(line) for line in train_process(out, 20, seed=5, holdout=True)]
+    meta = json.loads((out / "run.json").read_text())
+    assert len(meta["starts"]) == 2 and second[0]["step"] == first[-1]["step"] + 1
+    first[0].setdefault("start", 0)
+    second[0].setdefault("start", 1)
+    return first, second, meta
+
+
+def test_a_resume_is_a_boundary_for_series_findings(resumed, tmp_path):
+    first, second, meta = resumed
+    # the second process began an hour later: the gap is not training time
+    later = [{**r, "timestamp": (datetime.fromisoformat(r["timestamp"]) + timedelta(hours=1)).isoformat()}
+             for r in second]
+    path = write_lines(tmp_path / "marked", first + later, meta)
+    control = write_lines(tmp_path / "unmarked", first + [{k: v for k, v in r.items() if k != "start"}
+                                                          for r in later], meta)
+    boundary = second[0]["step"]
+
+    _, unmarked = codes(control)   # the data has a jump at the boundary that a single series calls a spike
+    assert "loss_spike" in unmarked and boundary in unmarked["loss_spike"].steps, unmarked
+    assert boundary in unmarked["forgetting"].steps
+
+    run, found = codes(path)
+    assert "loss_spike" not in found and "exploding_gradients" not in found, found
+    assert "forgetting" not in found or boundary not in found["forgetting"].steps
+    summary = at.summarize(run, list(found.values()))
+    assert summary["restarts"] == [{"step": boundary, "start": 1, "time": meta["starts"][1]}]
+    spans = [datetime.fromisoformat(seg[-1]["timestamp"]) - datetime.fromisoformat(seg[0]["timestamp"])
+             for seg in (first, later)]
+    assert summary["duration_s"] == round(sum(s.total_seconds() for s in spans), 1) < 3600
+    assert f"restarts: step {boundary} (start 1, {meta['starts'][1]})" in at.format_text([(run, [], summary)])
+
+
+def test_a_run_appended_without_a_marker_starts_a_segment(resumed, tmp_path):
+    first, second, meta = resumed
+    other = [{**{k: v for k, v in r.items() if k != "start"}, "step": i + 1} for i, r in enumerate(second)]
+    run, found = codes(write_lines(tmp_path / "appended", first + other, meta))
+    assert f"line {len(first) + 1}: step goes back from {first[-1]['step']} to 1 with no restart marker" \
+        in "\n".join(run.notices)
+    assert "loss_spike" not in found
+    assert at.summarize(run)["restarts"] == [{"step": 1, "start": None, "time": None}]
+
+
+def test_runs_without_markers_are_one_segment(resumed, tmp_path):
+    first, _, meta = resumed
+    plain = [{k: v for k, v in r.items() if k != "start"} for r in first]
+    run, _ = codes(write_lines(tmp_path / "old", plain, meta))
+    assert at.summarize(run)["restarts"] == [] and set(at.segment_ids(run)) == {0}
+
+
+# ---- a section that fails at every collection ------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:telemetry. holdout_logits failed")
+def test_check_fails_when_a_core_section_failed_at_every_collection(tmp_path, capsys):
+    # a holdout forward that can never work: 5 of the model's 6 input features
+    out = tmp_path / "broken"
+    lines = train_process(out, 6, seed=0, forward=lambda model, batch: model(batch[0][:, :5]))
+    first_error = json.loads(lines[0])["errors"]["holdout_logits"]
+    assert all("holdout_logits" in json.loads(line)["errors"] for line in lines)
+    assert at.main([str(out), "--check"]) == 1
+    text = capsys.readouterr().out
+    assert f"CRITICAL section_failed: holdout_logits failed at every collection (6 of 6 records), first at " \
+           f"step 1: {first_error}" in text
+    assert "metric_errors" not in text   # the one failure is told once, as the critical finding
+
+
+@pytest.mark.filterwarnings("ignore:telemetry. holdout_logits failed")
+def test_a_section_that_fails_sometimes_is_only_a_warning(tmp_path):
+    calls = []
+
+    def flaky(model, batch):   # every other evaluation fails
+        calls.append(1)
+        if len(calls) % 2:
+            raise RuntimeError("holdout batch on the wrong device")
+        return model(batch[0])
+    out = tmp_path / "flaky"
+    lines = train_process(out, 6, seed=0, forward=flaky)
+    failed = [json.loads(line)["step"] for line in lines if "holdout_logits" in json.loads(line).get("errors", {})]
+    assert len(failed) == 3
+    _, found = codes(out)
+    assert "section_failed" not in found
+    assert f"holdout_logits failed in 3 record(s) from step {failed[0]}" in found["metric_errors"].message
+
+
+def test_weight_delta_is_not_expected_at_a_segments_first_collection(resumed, tmp_path):
+    first, second, meta = resumed
+    recs = [dict(r) for r in first + second]
+    for r in recs:
+        if r is not recs[0] and r is not recs[len(first)]:   # each process's first record has no delta anyway
+            r["weight_delta"] = None
+            r["errors"] = {"weight_delta": "OSError: [Errno 28] No space left on device"}
+    run, found = codes(write_lines(tmp_path / "r", recs, meta))
+    f = found["section_failed"]
+    assert f.group == "weight_delta" and f"({len(recs) - 2} of {len(recs)} records)" in f.message
+    recs[5]["errors"] = {}   # one collection where it worked: not a failure at every collection
+    _, found = codes(write_lines(tmp_path / "r2", recs, meta))
+    assert "section_failed" not in found and "metric_errors" in found
+
+
+# ---- several runs as one DataFrame -------------------------------------------------------------------
+
+def test_to_dataframe_of_several_runs(resumed, tmp_path):
+    pd = pytest.importorskip("pandas")
+    first, second, meta = resumed
+    a = write_lines(tmp_path / "a", first, meta)
+    b = write_lines(tmp_path / "b", second, meta)
+    df = at.to_dataframe([a, str(b)])
+    assert len(df) == len(first) + len(second)
+    assert list(df["run"]) == ["a"] * len(first) + ["b"] * len(second)
+    assert df["timestamp"].dtype.kind == "M"
+    assert list(df["timestamp"]) == [pd.Timestamp(datetime.fromisoformat(r["timestamp"])) for r in first + second]
+    assert list(df["loss"]) == [r["loss"] for r in first + second]
+    assert at.main([str(a), str(b), "--csv", str(tmp_path / "both.csv")]) == 0
+    with open(tmp_path / "both.csv", newline="") as f:
+        assert list(df.columns) == next(csv.reader(f))   # the same names as --csv
+    one = at.to_dataframe(a)
+    assert len(one) == len(first) and set(one["run"]) == {"a"}
+
+
+# ---- regression holdouts ---------------------------------------------------------------------------
+
+def regression_run(out, n_train, lr, hidden, steps=120, every=4, batch=32):
+    """A real regression loop (y = 1.5 sin x + 2, targets rounded to whole numbers 0..4 as counts are)
+    with telemetry.py; the holdout (40 points of the noiseless curve) is evaluated here at each
+    collection and written into its record in the regression format. Returns the holdout MSE by step."""
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    x = torch.rand(n_train, 1, generator=gen) * 6 - 3
+    y = torch.clamp(torch.round(1.5 * torch.sin(x) + 2 + torch.randn(n_train, 1, generator=gen)), 0, 4).long()
+    xh = torch.linspace(-3, 3, 40)[:, None]
+    yh = 1.5 * torch.sin(xh) + 2
+    layers = [nn.Linear(1, hidden), nn.Tanh()] + ([nn.Linear(hidden, hidden), nn.Tanh()] if hidden > 64 else [])
+    model = nn.Sequential(*layers, nn.Linear(hidden, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    tel = TelemetryConfig(output_dir=str(out), collect_every_n=every, track_holdout_logits=False)
+    tel = TrainingTelemetry(tel)
+    holdout = {}
+    for i in range(1, steps + 1):
+        idx = torch.randint(0, n_train, (min(batch, n_train),), generator=gen) if n_train > batch else torch.arange(n_train)
+        loss = F.mse_loss(model(x[idx]), y[idx].float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rec = tel.on_batch_end(model, opt, i, 0, batch={"x": x[idx], "target": y[idx]}, loss=loss.item())
+        if rec is not None:
+            with torch.no_grad():
+                pred = model(xh)
+            sq, ab = ((pred - yh) ** 2).mean(1), (pred - yh).abs().mean(1)
+            holdout[rec["step"]] = {"kind": "regression", "outputs": 1, "predictions": pred.flatten().tolist(),
+                                    "targets": yh.flatten().tolist(), "squared_error": sq.tolist(),
+                                    "abs_error": ab.tolist(), "loss": sq.mean().item(), "mae": ab.mean().item()}
+    tel.close()
+    recs = [json.loads(line) for line in (out / "telemetry.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["holdout_logits"] = holdout[r["step"]]
+    (out / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return {s: h["loss"] for s, h in holdout.items()}, recs
+
+
+CLASSIFICATION_ONLY = {"holdout_at_chance", "forgetting", "class_imbalance"}
+
+
+def test_regression_holdout_overfitting(tmp_path):
+    # 10 noisy points and a wide two-layer MLP: the holdout MSE is best early and climbs after, while the
+    # train loss keeps falling
+    mse, recs = regression_run(tmp_path / "over", n_train=10, lr=2e-3, hidden=256, steps=240, every=8)
+    assert recs[-1]["batch_stats"]["counts"]   # whole-number targets: telemetry counts them like classes
+    _, found = codes(tmp_path / "over")
+    assert "overfitting" in found and not CLASSIFICATION_ONLY & set(found), found
+    control = [{**r, "holdout_logits": {**r["holdout_logits"], "kind": "classification"}} for r in recs]
+    _, as_classes = codes(write_lines(tmp_path / "control", control, {}))
+    assert "class_imbalance" in as_classes   # the same batches read as classes would be called lopsided
+    best = int(found["overfitting"].message.split(" at step ")[1].split()[0])
+    assert mse[best] <= 1.5 * min(mse.values()) and mse[max(mse)] > 1.5 * min(mse.values())
+    summary = at.summarize(at.load_run(tmp_path / "over", progress=False))
+    assert summary["holdout_acc_last"] is None and summary["holdout_loss_last"] == pytest.approx(mse[max(mse)])
+    assert summary["holdout_mae_last"] == pytest.approx(np.mean(recs[-1]["holdout_logits"]["abs_error"]))
+
+
+def test_regression_holdout_healthy_and_plotted(tmp_path, capsys):
+    mse, _ = regression_run(tmp_path / "ok", n_train=512, lr=3e-3, hidden=64)
+    assert mse[max(mse)] < 0.2 * mse[min(mse)]   # the holdout MSE fell
+    _, found = codes(tmp_path / "ok")
+    assert not {c for c, f in found.items() if f.severity != "info"}, found
+    out = tmp_path / "plots"
+    assert at.main([str(tmp_path / "ok"), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "skipped accuracy.png: the holdout is regression" in text
+    for name in ("loss.png", "holdout_heatmap.png", "gradient_norm.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
