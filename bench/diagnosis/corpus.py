@@ -124,7 +124,7 @@ SPECS: List[Spec] = [
                                                                                 variant="permute", format="dict")),
     S("overfitting", "mlp256-digits-30-examples",       "classifier", **digits(hidden=[256, 256], opt="adam",
                                                                                 lr=3e-3, batch=30, train_size=30,
-                                                                                steps=600)),
+                                                                                steps=300)),
     S("lr_too_high", "mlp-digits-sgd-lr2",              "classifier", **digits(opt="sgd", lr=2.0)),
     S("lr_too_high", "mlp-diabetes-regression-sgd-lr0.5", "classifier", **diabetes(opt="sgd", lr=0.5)),
     S("nan_input", "mlp-breast-cancer-adam-dict",       "classifier", **cancer(opt="adam", lr=1e-3,
@@ -275,6 +275,7 @@ def totals(results: List[Dict[str, Any]]) -> Dict[str, Any]:
                             if r["named"] and not r["cause_first"]],
         "not_verified": [f"{r['id']}: {r.get('check_detail') or r.get('check')}" for r in results
                          if not r["verified"] and not r.get("train_error")],
+        "telemetry_warnings": [f"{r['id']}: {w}" for r in results for w in r.get("telemetry_warnings", [])],
         "errors": [f"{r['id']}: " + (r.get("train_error") or r.get("analyzer_error")).strip().splitlines()[-1]
                    for r in results if r["error"]],
     }
@@ -288,6 +289,7 @@ def format_totals(t: Dict[str, Any]) -> str:
            f"cause first            {frac(t['cause_first'])}"]
     for key, title in (("false_alarms", "false alarms"), ("misses", "misses"),
                        ("named_not_first", "named, but not first"), ("not_verified", "label not verified"),
+                       ("telemetry_warnings", "warnings telemetry.py raised while training"),
                        ("errors", "errors (training or analyzer crashed)")):
         out.append(f"{title} ({len(t[key])}):")
         out += [f"  {line}" for line in t[key]] or ["  none"]

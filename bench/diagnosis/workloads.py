@@ -299,7 +299,6 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
     batches = _order(len(y_train), rng, spec, y_train.numpy())
     per_epoch = max(1, len(y_train) // spec["batch"])
     trace = Trace()
-    test_every = every * max(1, round(steps / every / 20))  # ~20 test evaluations: the test-loss curve
     # The bad batch lands on a collected step (telemetry sees nothing of the steps in between); the NaN one
     # step after a collection, since a NaN stays in the weights.
     bad_step = spec.get("bad_step_frac") and (every * max(1, round(spec["bad_step_frac"] * steps / every))
@@ -323,11 +322,11 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
             scheduler.step()
         if plant == "zero_grad_before_hook":
             optimizer.zero_grad()  # the bug: gradients cleared between step() and the hook
+            trace.grads_seen_at_hook.append(any(p.grad is not None and bool(p.grad.any())
+                                                for p in model.parameters()))
         if plant == "not_in_optimizer":
             trace.neck_grad_norms.append(float(torch.cat([p.grad.reshape(-1) for p in model.neck.parameters()])
                                                .norm()))
-        trace.grads_seen_at_hook.append(any(p.grad is not None and bool(p.grad.abs().sum() > 0)
-                                            for p in model.parameters()))
         acc = None if regression else (out.argmax(-1) == yb).float().mean()
         trace.losses.append(float(loss))
         if acc is not None:
@@ -335,7 +334,7 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
         scalars = {} if acc is None else {"train_acc": acc}
         telemetry.on_batch_end(model, optimizer, step, (step - 1) // per_epoch, batch=batch, loss=loss, **scalars)
         optimizer.zero_grad()
-        if step % test_every == 0 or step == steps:
+        if step % every == 0 or step == steps:  # the test-loss curve, at every collection
             test_loss, test_metric = evaluate(model, data.x["test"], data.y["test"], regression)
             trace.test_steps.append(step)
             trace.test_loss.append(test_loss)
@@ -380,8 +379,8 @@ def test_loss_rise(test_loss: List[float]) -> tuple:
 
 
 def _healthy(ctx) -> Verdict:
-    """Healthy: the test metric at the end (median of the last 3 of ~20 evaluations) within `margin` of the
-    reference, and no overfitting: the smoothed test loss at the end within 20% of its smoothed best."""
+    """Healthy: the test metric at the end (median of the last 3 evaluations, one per collection) within
+    `margin` of the reference, and no overfitting: the smoothed test loss at the end within 20% of its best."""
     t, spec = ctx["trace"], ctx["spec"]
     ref = reference_score(ctx["data"], ctx["y_train"], ctx["x_train"])
     end, best = test_loss_rise(t.test_loss)
