@@ -112,7 +112,8 @@ SPECS: List[Spec] = [
                                                                                 groups="named", format="dict",
                                                                                 label_noise=0.4, steps=250)),
     S("healthy", "mlp-digits-batch4-sgd-cosine",        "classifier", **digits(opt="sgd", lr=0.02, batch=4,
-                                                                                steps=1200, schedule="cosine")),
+                                                                                steps=1200, schedule="cosine",
+                                                                                collect_every_n=10)),
     # -- one planted problem each ----------------------------------------------------------------------------
     S("frozen", "mlp-digits-adam-groups",               "classifier", **digits(opt="adam", lr=1e-3, groups="named")),
     S("lr_zero", "cnn-digits-sgd-groups-dict",          "classifier", **digits(arch="cnn", opt="sgd", lr=0.01,
@@ -140,11 +141,11 @@ SPECS: List[Spec] = [
     S("vanishing", "sigmoid-mlp12-digits",              "classifier", **digits(act="sigmoid", hidden=[64] * 12,
                                                                                 opt="sgd", lr=0.05)),
     S("repeated_batch", "mlp-digits-adamw",             "classifier", **digits(opt="adamw", lr=1e-3)),
-    S("repeated_batch", "gru-charlm-adamw-dict",        "char_lm",    lr=5e-3, batch=16, steps=150),
+    S("repeated_batch", "gru-charlm-adamw-dict",        "char_lm",    lr=5e-3, batch=16, steps=100),
     S("unshuffled", "mlp-digits-sorted-by-class",       "classifier", **digits(opt="sgd", lr=0.05)),
     S("zero_grad_before_hook", "cnn-digits-adam-dict",  "classifier", **digits(arch="cnn", opt="adam", lr=1e-3,
                                                                                 format="dict")),
-    S("lora_lr_zero", "lora-llama-trainer",             "lora",       lr=5e-3, lora_lr=0.0, batch=16, steps=120),
+    S("lora_lr_zero", "lora-llama-trainer",             "lora",       lr=5e-3, lora_lr=0.0, batch=16, steps=60),
     S("not_in_optimizer", "mlp-digits-neck-sgd",        "classifier", **digits(opt="sgd", lr=0.05, neck=64)),
 ]
 
@@ -225,8 +226,8 @@ def analyze(run_dir: str, analyzer: str) -> Dict[str, Any]:
 
 def score(r: Dict[str, Any]) -> Dict[str, Any]:
     alarms = [f["code"] for f in r.get("findings", []) if f.get("severity") in ALARM]
-    r["alarms"] = [f"{f['code']}:{f['severity'][0].upper()}" for f in r.get("findings", [])
-                   if f.get("severity") in ALARM]
+    r["alarms"] = [f"{f['code']}{'[' + f['group'] + ']' if f.get('group') else ''}:{f['severity'][0].upper()}"
+                   for f in r.get("findings", []) if f.get("severity") in ALARM]
     if r["problem"] == "healthy":
         r.update(expected=[], named=None, cause_first=None, false_alarm=bool(alarms))
     else:

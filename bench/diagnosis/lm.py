@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from workloads import TelemetryConfig, TrainingTelemetry, Verdict, _identical, _snapshot, collect_every
 
 # ---- Character-level LM on standard-library source ----------------------------------------------------
-# Three different modules to train on, a fourth for telemetry's holdout, two more for the test set.
+# Three modules to train on, 50 windows of a fourth for telemetry's holdout, two more for the test set.
 TRAIN_FILES = ("argparse.py", "inspect.py", "typing.py")
 HOLDOUT_FILE = "textwrap.py"
 TEST_FILES = ("pathlib.py", "difflib.py")
@@ -75,7 +75,7 @@ def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, An
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)
     train_ids = _text_ids(TRAIN_FILES)
-    holdout = _windows(_text_ids((HOLDOUT_FILE,)), 64, SEQ, start=1000 * seed)
+    holdout = _windows(_text_ids((HOLDOUT_FILE,)), 50, SEQ, start=1000 * seed)
     test_all = _text_ids(TEST_FILES)
     test_windows = _windows(test_all, 10_000, 2 * SEQ)      # the whole test text, for the final number
     test_curve = test_windows[rng.permutation(len(test_windows))[:64]]  # a sample, for the curve
@@ -85,7 +85,7 @@ def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, An
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
     steps, bs = spec["steps"], spec["batch"]
     every = collect_every(steps)
-    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every, holdout_size=64))
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every, holdout_size=50))
     telemetry.set_holdout_data({"input_ids": holdout, "labels": holdout})
     plant = spec.get("plant")
     starts = rng.randint(0, len(train_ids) - SEQ, size=(steps, bs))

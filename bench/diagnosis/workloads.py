@@ -26,7 +26,7 @@ if REPO not in sys.path:
 
 from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
 
-TARGET_COLLECTIONS = 60  # collect_every_n is chosen so that each run has about this many records
+TARGET_COLLECTIONS = 50  # collect_every_n is chosen so that each run has about this many records
 
 
 @dataclass
