@@ -1,0 +1,209 @@
+"""Language-model runs of the diagnosis corpus: a character-level GRU on Python's own standard-library source,
+in a plain loop with dict batches, and a tiny Llama with LoRA adapters through transformers.Trainer and
+telemetry.hf_callback() (as example_train.py's train_lora, smaller and shorter)."""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+from typing import Any, Dict
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from workloads import TelemetryConfig, TrainingTelemetry, Verdict, _identical, _snapshot, collect_every
+
+# ---- Character-level LM on standard-library source ----------------------------------------------------
+# Three modules to train on, 50 windows of a fourth for telemetry's holdout, two more for the test set.
+TRAIN_FILES = ("argparse.py", "inspect.py", "typing.py")
+HOLDOUT_FILE = "textwrap.py"
+TEST_FILES = ("pathlib.py", "difflib.py")
+VOCAB = 128  # ASCII; anything else maps to 0
+SEQ = 64
+
+
+@lru_cache(maxsize=None)
+def _text_ids(names: tuple) -> torch.Tensor:
+    stdlib = os.path.dirname(os.__file__)
+    text = "".join(open(os.path.join(stdlib, n), encoding="utf-8").read() for n in names)
+    ids = np.frombuffer(text.encode("ascii", "replace"), dtype=np.uint8).astype(np.int64)
+    return torch.from_numpy(np.where(ids < VOCAB, ids, 0))
+
+
+def _windows(ids: torch.Tensor, n: int, length: int, start: int = 0) -> torch.Tensor:
+    """n non-overlapping windows of `length` characters from `start` on."""
+    n = min(n, (len(ids) - start) // length)
+    return ids[start:start + n * length].reshape(n, length)
+
+
+class CharGRU(nn.Module):
+    def __init__(self, vocab: int = VOCAB, embed: int = 32, hidden: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.rnn = nn.GRU(embed, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(input_ids))[0])
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-character cross-entropy, shifted as HF causal LMs do (position t predicts token t+1)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def bigram_nll(train: torch.Tensor, test: torch.Tensor, alpha: float = 0.1) -> float:
+    """Test NLL (nats/char) of a smoothed bigram model counted on the train text: the level to beat."""
+    counts = torch.full((VOCAB, VOCAB), alpha, dtype=torch.float64)
+    counts.index_put_((train[:-1], train[1:]), torch.ones(len(train) - 1, dtype=torch.float64), accumulate=True)
+    logp = (counts / counts.sum(1, keepdim=True)).log()
+    return float(-logp[test[:-1], test[1:]].mean())
+
+
+def test_nll(model: nn.Module, windows: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = float(lm_loss(model(windows), windows))
+    model.train()
+    return loss
+
+
+def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
+    torch.manual_seed(seed)
+    rng = np.random.RandomState(seed)
+    train_ids = _text_ids(TRAIN_FILES)
+    holdout = _windows(_text_ids((HOLDOUT_FILE,)), 50, SEQ, start=1000 * seed)
+    test_all = _text_ids(TEST_FILES)
+    test_windows = _windows(test_all, 10_000, 2 * SEQ)      # the whole test text, for the final number
+    test_curve = test_windows[rng.permutation(len(test_windows))[:64]]  # a sample, for the curve
+
+    model = CharGRU()
+    start = _snapshot(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
+    steps, bs = spec["steps"], spec["batch"]
+    every = collect_every(steps)
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every, holdout_size=50))
+    telemetry.set_holdout_data({"input_ids": holdout, "labels": holdout})
+    plant = spec.get("plant")
+    starts = rng.randint(0, len(train_ids) - SEQ, size=(steps, bs))
+    if plant == "repeated_batch":
+        starts[:] = starts[0]  # the loader bug: the same batch every step
+    curve, keys = [], set()
+    for step in range(1, steps + 1):
+        ids = torch.stack([train_ids[s:s + SEQ] for s in starts[step - 1]])
+        keys.add(hash(starts[step - 1].tobytes()))
+        batch = {"input_ids": ids, "labels": ids}
+        loss = lm_loss(model(batch["input_ids"]), batch["labels"])
+        loss.backward()
+        optimizer.step()
+        telemetry.on_batch_end(model, optimizer, step, 0, batch=batch, loss=loss)
+        optimizer.zero_grad()
+        if step % (4 * every) == 0 or step == steps:
+            curve.append(test_nll(model, test_curve))
+    telemetry.close()
+    final = test_nll(model, test_windows)
+    if plant == "repeated_batch":
+        verdict = Verdict(len(keys) == 1, f"{len(keys)} distinct batch",
+                          f"{len(keys)} distinct batch(es) over {steps} steps (needs 1); test NLL {final:.3f}")
+    else:
+        bigram = bigram_nll(train_ids, test_all)
+        ok = final <= bigram and curve[-1] <= 1.1 * min(curve) and not _identical(model, start)
+        verdict = Verdict(ok, f"test NLL {final:.3f}",
+                          f"test NLL {final:.3f} nats/char on {test_windows.numel():,} characters of "
+                          f"{', '.join(TEST_FILES)} vs a bigram model's {bigram:.3f} (needs <=); curve end "
+                          f"{curve[-1]:.3f} vs best {min(curve):.3f} (needs <= 1.1x)",
+                          {"test_nll": final, "bigram_nll": bigram})
+    return {"collect_every_n": every, "steps": steps, "verdict": verdict}
+
+
+# ---- LoRA through transformers.Trainer ----------------------------------------------------------------
+
+def answer_nll(model, dataset) -> tuple:
+    """(mean NLL per answer token, exact-match accuracy of the answers) with the model in eval mode."""
+    batch = {k: torch.stack([x[k] for x in dataset.items]) for k in dataset.items[0]}
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits, target = logits[:, :-1].float(), batch["labels"][:, 1:]
+    valid = target != -100
+    nll = F.cross_entropy(logits.transpose(1, 2), target.clamp(min=0), reduction="none")
+    right = (logits.argmax(-1) == target) | ~valid
+    return float(nll[valid].mean()), float(right.all(1).float().mean())
+
+
+def marginal_answer_nll(train, test) -> float:
+    """NLL of a model that knows the answer format but not the sum: each answer position's token
+    frequencies counted on the train set. The level a LoRA run must beat to have learnt anything."""
+    counts: Dict[tuple, Dict[int, int]] = {}
+    for item in train.items:
+        for pos, tok in enumerate(item["labels"].tolist()):
+            if tok != -100:
+                counts.setdefault(pos, {}).setdefault(tok, 0)
+                counts[pos][tok] += 1
+    total, n = 0.0, 0
+    for item in test.items:
+        for pos, tok in enumerate(item["labels"].tolist()):
+            if tok != -100:
+                c = counts.get(pos, {})
+                total -= math.log((c.get(tok, 0) + 0.5) / (sum(c.values()) + 0.5 * VOCAB))
+                n += 1
+    return total / n
+
+
+def train_lora(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from example_train import CHAR_IDS, LORA_TARGETS, ArithmeticDataset, tiny_llama_config
+
+    torch.manual_seed(seed)
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()),
+                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                                      modules_to_save=["lm_head"]))
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    lora_start = {n: p.detach().clone() for n, p in lora.items()}
+    lr, lora_lr = spec["lr"], spec.get("lora_lr", spec["lr"])
+    groups: Dict[str, list] = {"lora_A": [], "lora_B": [], "lm_head": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups["lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "lm_head"].append(p)
+    optimizer = torch.optim.AdamW([{"params": groups["lora_A"], "lr": lora_lr, "name": "lora_A"},
+                                   {"params": groups["lora_B"], "lr": 4 * lora_lr, "name": "lora_B"},
+                                   {"params": groups["lm_head"], "lr": lr, "name": "lm_head"}], weight_decay=0.0)
+    steps = spec["steps"]
+    every = collect_every(steps)
+    telemetry = TrainingTelemetry(TelemetryConfig(
+        output_dir=out_dir, collect_every_n=every, holdout_size=64, batch_label_key="labels",
+        holdout_token_ids=[CHAR_IDS[d] for d in "0123456789"]))
+    holdout = ArithmeticDataset(64, seed=10_000 + seed)
+    telemetry.set_holdout_data({k: torch.stack([x[k] for x in holdout.items]) for k in holdout.items[0]})
+    train_set, test_set = ArithmeticDataset(2048, seed=seed), ArithmeticDataset(2000, seed=20_000 + seed)
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "trainer"), max_steps=steps,
+                             per_device_train_batch_size=spec["batch"], learning_rate=lr,
+                             lr_scheduler_type="linear", warmup_steps=steps // 20, logging_steps=every,
+                             save_strategy="no", report_to=[], use_cpu=True, seed=seed, disable_tqdm=True,
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, optimizers=(optimizer, None),
+                      callbacks=[telemetry.hf_callback()])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    nll, exact = answer_nll(model, test_set)
+    if spec.get("plant") == "lora_lr_zero":
+        same = all(torch.equal(p.detach(), lora_start[n]) for n, p in lora.items())
+        b_zero = all(not p.detach().any() for n, p in lora.items() if "lora_B" in n)
+        verdict = Verdict(same and b_zero, f"LoRA unchanged={same}",
+                          f"every LoRA A/B bit-identical to the start: {same}; every B exactly 0: {b_zero}; "
+                          f"test answer NLL {nll:.3f}")
+    else:
+        base = marginal_answer_nll(train_set, test_set)
+        moved = not all(torch.equal(p.detach(), lora_start[n]) for n, p in lora.items())
+        ok = nll <= 0.5 * base and moved
+        verdict = Verdict(ok, f"answer NLL {nll:.3f}",
+                          f"test answer-token NLL {nll:.3f} over {len(test_set)} fresh sums vs {base:.3f} for "
+                          f"a format-only model (needs <= half); exact answers {exact:.3f}; LoRA moved: {moved}",
+                          {"answer_nll": nll, "format_only_nll": base, "exact": exact})
+    return {"collect_every_n": every, "steps": steps, "verdict": verdict}

@@ -1,0 +1,560 @@
+"""The training runs of the diagnosis corpus: data, models, one loop per kind of run, the planted problems,
+and the checks that prove each label (healthy, or the planted problem) is true.
+
+Every run splits its data three ways: train, the holdout telemetry gets (50-100 examples), and a test set
+that telemetry never sees (the rest). Labels are verified on the test set or by a measurement the loop makes
+itself (weights compared with a copy kept at the start, batch label shares counted as they are yielded, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Dict, Iterator, List
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
+
+TARGET_COLLECTIONS = 50  # collect_every_n is chosen so that each run has about this many records
+
+
+@dataclass
+class Verdict:
+    """Is the run's label true? `value` is the number shown in the table, `detail` says what it means."""
+    ok: bool
+    value: str
+    detail: str
+    numbers: Dict[str, Any] = field(default_factory=dict)
+
+
+# ---- Data ---------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _sklearn(name: str):
+    from sklearn import datasets
+
+    loaded = {"digits": datasets.load_digits, "breast_cancer": datasets.load_breast_cancer,
+              "diabetes": datasets.load_diabetes}[name]()
+    return loaded.data.astype(np.float32), loaded.target
+
+
+SPLITS = {  # (train, holdout given to telemetry); the test set is everything else
+    "digits": (1000, 100),        # 1797 examples: test 697
+    "breast_cancer": (300, 60),   # 569: test 209
+    "diabetes": (250, 50),        # 442: test 142
+}
+
+
+@dataclass
+class Split:
+    x: Dict[str, torch.Tensor]
+    y: Dict[str, torch.Tensor]
+    num_classes: int  # 0 for regression
+
+
+def load_split(name: str, seed: int) -> Split:
+    """Train / holdout / test, shuffled by the seed; features standardised with train statistics."""
+    data, target = _sklearn(name)
+    n_train, n_hold = SPLITS[name]
+    order = np.random.RandomState(1000 + seed).permutation(len(data))
+    parts = {"train": order[:n_train], "holdout": order[n_train:n_train + n_hold], "test": order[n_train + n_hold:]}
+    if name == "digits":
+        data = data / 16.0  # pixel intensities 0..16; kept non-negative (the dead-ReLU plant relies on it)
+    else:
+        mean, std = data[parts["train"]].mean(0), data[parts["train"]].std(0) + 1e-6
+        data = (data - mean) / std
+    regression = name == "diabetes"
+    if regression:  # target standardised with train statistics too
+        tm, ts = target[parts["train"]].mean(), target[parts["train"]].std()
+        target = ((target - tm) / ts).astype(np.float32)
+    x = {k: torch.tensor(data[v], dtype=torch.float32) for k, v in parts.items()}
+    y = {k: torch.tensor(target[v], dtype=torch.float32 if regression else torch.long) for k, v in parts.items()}
+    return Split(x, y, 0 if regression else int(target.max()) + 1)
+
+
+# ---- Models -------------------------------------------------------------------------------------------
+# Every classifier has a `backbone` and a `head`, so runs can put them in two named optimizer groups.
+# forward(pixels) serves tuple batches (model(x)) and dict batches (model(pixels=x)) alike.
+
+def _act(name: str) -> nn.Module:
+    return {"relu": nn.ReLU(), "tanh": nn.Tanh(), "sigmoid": nn.Sigmoid()}[name]
+
+
+class MLP(nn.Module):
+    def __init__(self, n_in: int, hidden: List[int], n_out: int, act: str = "relu", neck: int = 0):
+        super().__init__()
+        layers, width = [], n_in
+        for h in hidden:
+            layers += [nn.Linear(width, h), _act(act)]
+            width = h
+        self.backbone = nn.Sequential(*layers)
+        # `neck`: an extra layer between backbone and head (the not-in-optimizer plant leaves it out).
+        self.neck = nn.Sequential(nn.Linear(width, neck), nn.ReLU()) if neck else nn.Identity()
+        self.head = nn.Linear(neck or width, n_out)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.head(self.neck(self.backbone(pixels)))
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions and a max-pool on the 8x8 digits, then a linear head."""
+
+    def __init__(self, n_out: int = 10, width: int = 8):
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Flatten())
+        self.head = nn.Linear(2 * width * 16, n_out)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(pixels.reshape(-1, 1, 8, 8)))
+
+
+class LogReg(nn.Module):
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.backbone = nn.Identity()
+        self.head = nn.Linear(n_in, n_out)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.head(pixels)
+
+
+def build_model(spec: Dict[str, Any], n_in: int, n_out: int) -> nn.Module:
+    arch = spec["arch"]
+    if arch == "cnn":
+        return DigitsCNN(n_out)
+    if arch == "logreg":
+        return LogReg(n_in, n_out)
+    return MLP(n_in, spec.get("hidden", [128, 128]), n_out, spec.get("act", "relu"), spec.get("neck", 0))
+
+
+def make_optimizer(model: nn.Module, spec: Dict[str, Any]) -> torch.optim.Optimizer:
+    """One group, or named backbone/head groups (head at head_mult x the lr; backbone_lr overrides)."""
+    lr = spec["lr"]
+    if spec.get("groups") == "named":
+        groups = [{"params": list(model.backbone.parameters()), "lr": spec.get("backbone_lr", lr), "name": "backbone"},
+                  {"params": list(model.head.parameters()), "lr": lr * spec.get("head_mult", 10), "name": "head"}]
+    elif spec.get("plant") == "not_in_optimizer":  # the neck is in no group: its gradient accumulates forever
+        groups = [{"params": list(model.backbone.parameters()) + list(model.head.parameters())}]
+    else:
+        groups = [{"params": list(model.parameters())}]
+    kind = spec["opt"]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.01)
+
+
+def collect_every(total_steps: int) -> int:
+    return max(1, round(total_steps / TARGET_COLLECTIONS))
+
+
+def _snapshot(module: nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _identical(module: nn.Module, start: Dict[str, torch.Tensor]) -> bool:
+    now = module.state_dict()
+    return all(torch.equal(now[k], v) for k, v in start.items())
+
+
+# ---- Batches ------------------------------------------------------------------------------------------
+
+def _order(n: int, rng: np.random.RandomState, spec: Dict[str, Any], y: np.ndarray) -> Iterator[np.ndarray]:
+    """Index arrays of one batch each, forever: shuffled epochs, or a planted order."""
+    bs, plant = spec["batch"], spec.get("plant")
+    if plant == "class_imbalance":  # a sampler that draws `major_share` of every batch from class 0
+        major, rest = np.where(y == 0)[0], np.where(y != 0)[0]
+        while True:
+            from_major = rng.rand(bs) < spec.get("major_share", 0.88)
+            yield np.where(from_major, rng.choice(major, bs), rng.choice(rest, bs))
+    if plant == "unshuffled":  # sorted by class, never shuffled: each batch holds one or two classes
+        order = np.argsort(y, kind="stable")
+        while True:
+            for s in range(0, n - bs + 1, bs):
+                yield order[s:s + bs]
+    first = None
+    while True:
+        order = rng.permutation(n)
+        for s in range(0, n - bs + 1, bs):  # drop the last short batch, as DataLoader(drop_last=True)
+            if plant == "repeated_batch":  # the loader bug: the same batch every step
+                first = order[s:s + bs] if first is None else first
+                yield first
+            else:
+                yield order[s:s + bs]
+
+
+def _as_batch(x: torch.Tensor, y: torch.Tensor, fmt: str, label_key: str = "label"):
+    return {"pixels": x, label_key: y} if fmt == "dict" else (x, y)
+
+
+def _inputs(batch) -> torch.Tensor:
+    return batch["pixels"] if isinstance(batch, dict) else batch[0]
+
+
+# ---- The classifier / regressor loop ------------------------------------------------------------------
+
+@dataclass
+class Trace:
+    """What the loop measured while training, for the verification."""
+    losses: List[float] = field(default_factory=list)
+    test_steps: List[int] = field(default_factory=list)
+    test_loss: List[float] = field(default_factory=list)
+    test_metric: List[float] = field(default_factory=list)
+    label_counts: Dict[int, int] = field(default_factory=dict)
+    classes_per_batch: List[int] = field(default_factory=list)
+    batch_keys: set = field(default_factory=set)
+    grads_seen_at_hook: List[bool] = field(default_factory=list)
+    neck_grad_norms: List[float] = field(default_factory=list)
+    train_acc: List[float] = field(default_factory=list)
+
+
+def plant_labels(y: torch.Tensor, spec: Dict[str, Any], k: int, rng: np.random.RandomState) -> torch.Tensor:
+    y = y.clone()
+    plant = spec.get("plant")
+    if spec.get("label_noise"):  # noisy but healthy: a share of labels replaced by uniform random classes
+        flip = torch.from_numpy(rng.rand(len(y)) < spec["label_noise"])
+        y[flip] = torch.from_numpy(rng.randint(0, k, int(flip.sum())))
+    if plant == "misaligned" and spec.get("variant") == "shift":
+        y = (y + 1) % k  # every class relabelled as the next one
+    elif plant == "misaligned":
+        y = y[torch.from_numpy(rng.permutation(len(y)))]  # the label vector shuffled against the inputs
+    return y
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, regression: bool):
+    """(loss, metric) on a whole set: accuracy for classification, R^2 for regression."""
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+        if regression:
+            out = out.reshape(-1)
+            loss = F.mse_loss(out, y).item()
+            metric = 1.0 - loss / float(((y - y.mean()) ** 2).mean())
+        else:
+            loss = F.cross_entropy(out, y).item()
+            metric = (out.argmax(-1) == y).float().mean().item()
+    model.train(was)
+    return loss, metric
+
+
+def init_plants(model: nn.Module, spec: Dict[str, Any]) -> None:
+    plant = spec.get("plant")
+    with torch.no_grad():
+        if plant == "dead_relu":  # first-layer biases far below zero: those ReLUs never fire
+            model.backbone[0].bias.fill_(spec.get("dead_bias", -5.0))
+        if plant == "saturated":  # weights x10: tanh/sigmoid pre-activations far out in the flat tails
+            for m in model.backbone:
+                if isinstance(m, nn.Linear):
+                    m.weight.mul_(10.0)
+
+
+def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
+    torch.manual_seed(seed)
+    rng = np.random.RandomState(seed)
+    data = load_split(spec["data"], seed)
+    regression = data.num_classes == 0
+    k = data.num_classes
+    x_train = data.x["train"]
+    y_train = plant_labels(data.y["train"], spec, k, rng) if not regression else data.y["train"]
+    if spec.get("train_size"):  # the overfitting plant: a tiny train set, the same number of each class
+        per_class = spec["train_size"] // k
+        keep = torch.cat([torch.where(y_train == c)[0][:per_class] for c in range(k)])
+        x_train, y_train = x_train[keep], y_train[keep]
+    model = build_model(spec, x_train.shape[1], 1 if regression else k)
+    init_plants(model, spec)
+    start = _snapshot(model)
+    optimizer = make_optimizer(model, spec)
+    scheduler = None
+    if spec.get("schedule") == "cosine":  # cosine decay to 10% of each group's lr over the run
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, spec["steps"]) / spec["steps"])))
+    plant = spec.get("plant")
+    if plant == "frozen":  # frozen after the optimizer was built: its group keeps lr > 0
+        model.backbone.requires_grad_(False)
+
+    steps, fmt = spec["steps"], spec.get("format", "tuple")
+    every = spec.get("collect_every_n") or collect_every(steps)
+    label_key = "target" if regression else "label"
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every,
+                                                  holdout_size=len(data.y["holdout"]), batch_label_key=label_key
+                                                  if fmt == "dict" else None))
+    telemetry.set_holdout_data(_as_batch(data.x["holdout"], data.y["holdout"], fmt, label_key))
+
+    loss_fn = (lambda out, y: F.mse_loss(out.reshape(-1), y)) if regression else F.cross_entropy
+    batches = _order(len(y_train), rng, spec, y_train.numpy())
+    per_epoch = max(1, len(y_train) // spec["batch"])
+    trace = Trace()
+    # The bad batch lands on a collected step (telemetry sees nothing of the steps in between); the NaN one
+    # step after a collection, since a NaN stays in the weights.
+    bad_step = spec.get("bad_step_frac") and (every * max(1, round(spec["bad_step_frac"] * steps / every))
+                                              + (plant == "nan_input"))
+    model.train()
+    for step in range(1, steps + 1):
+        idx = next(batches)
+        xb, yb = x_train[idx], y_train[idx]
+        if plant == "nan_input" and step == bad_step:
+            xb = xb.clone()
+            xb[0, 0] = float("nan")  # one NaN feature in one batch
+        if plant == "bad_batch" and step == bad_step:
+            xb = xb * 1000.0  # one batch with inputs scaled x1000 (a unit mix-up), then back to normal
+        batch = _as_batch(xb, yb, fmt, label_key)
+        _count_batch(trace, idx, yb, regression)
+        out = model(_inputs(batch))
+        loss = loss_fn(out, yb)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if plant == "zero_grad_before_hook":
+            optimizer.zero_grad()  # the bug: gradients cleared between step() and the hook
+            trace.grads_seen_at_hook.append(any(p.grad is not None and bool(p.grad.any())
+                                                for p in model.parameters()))
+        if plant == "not_in_optimizer":
+            trace.neck_grad_norms.append(float(torch.cat([p.grad.reshape(-1) for p in model.neck.parameters()])
+                                               .norm()))
+        acc = None if regression else (out.argmax(-1) == yb).float().mean()
+        trace.losses.append(float(loss))
+        if acc is not None:
+            trace.train_acc.append(float(acc))
+        scalars = {} if acc is None else {"train_acc": acc}
+        telemetry.on_batch_end(model, optimizer, step, (step - 1) // per_epoch, batch=batch, loss=loss, **scalars)
+        optimizer.zero_grad()
+        if step % every == 0 or step == steps:  # the test-loss curve, at every collection
+            test_loss, test_metric = evaluate(model, data.x["test"], data.y["test"], regression)
+            trace.test_steps.append(step)
+            trace.test_loss.append(test_loss)
+            trace.test_metric.append(test_metric)
+    telemetry.close()
+    context = dict(spec=spec, model=model, start=start, data=data, trace=trace, y_train=y_train, seed=seed,
+                   regression=regression, bad_step=bad_step, x_train=x_train)
+    return {"collect_every_n": every, "steps": steps, "verdict": verify_classifier(context)}
+
+
+def _count_batch(trace: Trace, idx: np.ndarray, yb: torch.Tensor, regression: bool) -> None:
+    trace.batch_keys.add(hash(idx.tobytes()))
+    if not regression:
+        values = yb.tolist()
+        for v in values:
+            trace.label_counts[v] = trace.label_counts.get(v, 0) + 1
+        trace.classes_per_batch.append(len(set(values)))
+
+
+# ---- Verification of the classifier runs --------------------------------------------------------------
+
+def reference_score(data: Split, y_train: torch.Tensor, x_train: torch.Tensor) -> float:
+    """The dataset's achievable level on this split: a scikit-learn linear model fitted on the same train
+    examples and labels (logistic regression: test accuracy; ridge: test R^2)."""
+    from sklearn.linear_model import LogisticRegression, Ridge
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):  # a multi-threaded BLAS on a busy 2-core machine is 10x slower here
+        if data.num_classes == 0:
+            model = Ridge(alpha=1.0).fit(x_train.numpy(), y_train.numpy())
+        else:
+            model = LogisticRegression(max_iter=2000).fit(x_train.numpy(), y_train.numpy())
+        return float(model.score(data.x["test"].numpy(), data.y["test"].numpy()))
+
+
+def test_loss_rise(test_loss: List[float]) -> tuple:
+    """(end, best) of the test-loss curve, each a 3-point moving median: one noisy evaluation (small
+    batches, SGD) neither makes nor hides a rise."""
+    x = np.array(test_loss)
+    m = np.array([np.median(x[max(0, i - 2):i + 1]) for i in range(len(x))])
+    return float(m[-1]), float(np.min(m))
+
+
+def _healthy(ctx) -> Verdict:
+    """Healthy: the test metric at the end (median of the last 3 evaluations, one per collection) within
+    `margin` of the reference, and no overfitting: the smoothed test loss at the end within 20% of its best."""
+    t, spec = ctx["trace"], ctx["spec"]
+    ref = reference_score(ctx["data"], ctx["y_train"], ctx["x_train"])
+    end, best = test_loss_rise(t.test_loss)
+    metric = float(np.median(t.test_metric[-3:]))
+    margin = spec.get("margin", 0.05)
+    name = "R2" if ctx["regression"] else "acc"
+    ok = metric >= ref - margin and end <= 1.2 * best and math.isfinite(end)
+    return Verdict(ok, f"test {name} {metric:.3f}",
+                   f"test {name} {metric:.3f} vs linear reference {ref:.3f} (needs >= {ref - margin:.3f}); "
+                   f"test loss at the end {end:.3f} vs best {best:.3f} (needs <= 1.2x)",
+                   {"test_metric": metric, "reference": ref, "test_loss_end": end, "test_loss_best": best,
+                    "test_loss_curve": [round(v, 4) for v in t.test_loss]})
+
+
+def _chance_band(k: int, n: int) -> float:
+    return 1.0 / k + 3 * math.sqrt((1.0 / k) * (1 - 1.0 / k) / n)
+
+
+def verify_classifier(ctx) -> Verdict:
+    spec, t, model, start = ctx["spec"], ctx["trace"], ctx["model"], ctx["start"]
+    plant = spec.get("plant")
+    if plant is None:
+        return _healthy(ctx)
+    acc = t.test_metric[-1]
+    if plant in ("frozen", "lr_zero"):
+        frozen = _identical(model.backbone, {k[len("backbone."):]: v for k, v in start.items()
+                                             if k.startswith("backbone.")})
+        head_moved = not _identical(model.head, {k[len("head."):]: v for k, v in start.items()
+                                                 if k.startswith("head.")})
+        return Verdict(frozen and head_moved, f"backbone bit-identical={frozen}",
+                       f"backbone weights bit-identical to the start copy: {frozen}; head moved: {head_moved}")
+    if plant == "misaligned":
+        # The labels carry no information: they agree with the true classes no more often than chance. What
+        # the model then reaches is not a tight binomial: with a shuffled label vector each true class ends
+        # up mapped to its most frequent random label, so the test accuracy moves in steps of ~1/K.
+        k, y_true = ctx["data"].num_classes, ctx["data"].y["train"]
+        agree = float((ctx["y_train"] == y_true).float().mean())
+        ref = reference_score(ctx["data"], y_true, ctx["x_train"])
+        ok = agree <= _chance_band(k, len(y_true)) and acc <= 0.5 * ref
+        return Verdict(ok, f"labels agree {agree:.1%}, test acc {acc:.3f}",
+                       f"{agree:.1%} of the training labels are the true class (needs <= "
+                       f"{_chance_band(k, len(y_true)):.1%}: 1/{k} + 3 binomial sigmas); test accuracy on the true "
+                       f"labels {acc:.3f} (needs <= half the {ref:.3f} a linear model reaches with the true labels)")
+    if plant == "overfitting":
+        end, best = test_loss_rise(t.test_loss)
+        train_acc = float(np.mean(t.train_acc[-10:]))
+        ok = end >= 1.3 * best and train_acc >= 0.99
+        return Verdict(ok, f"test loss x{end / best:.2f}",
+                       f"test loss (3-point moving median) rose from its best {best:.3f} to {end:.3f} (needs >= "
+                       f"1.3x) while train accuracy is {train_acc:.3f} (needs >= 0.99); test acc {acc:.3f}",
+                       {"test_loss_curve": [round(v, 4) for v in t.test_loss]})
+    if plant == "lr_too_high":  # diverged: NaN/inf, or no better than at the start / than chance
+        losses = np.array(t.losses)
+        nonfinite = not np.isfinite(losses).all()
+        first = float(np.median(losses[:10]))
+        late = losses[-len(losses) // 5:]
+        late_med = float(np.median(late)) if np.isfinite(late).all() else math.inf
+        if ctx["regression"]:
+            useless, what = not (acc > 0), f"test R2 {acc:.3g} (useless <= 0)"
+        else:
+            band = _chance_band(ctx["data"].num_classes, len(ctx["data"].y["test"]))
+            useless, what = acc <= band, f"test acc {acc:.3f} (chance band <= {band:.3f})"
+        ok = nonfinite or late_med >= first or useless
+        return Verdict(ok, "loss NaN/inf" if nonfinite else f"loss {first:.3g}->{late_med:.3g}",
+                       f"non-finite loss: {nonfinite}"
+                       + (f" (first at step {int(np.argmin(np.isfinite(losses))) + 1})" if nonfinite else "")
+                       + f"; median train loss over the first 10 steps {first:.3g}, over the last fifth "
+                       f"{late_med:.3g}; {what}")
+    if plant == "nan_input":
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        step = ctx["bad_step"]
+        ok = bool(bad) and not math.isfinite(t.losses[step - 1])
+        return Verdict(ok, f"{len(bad)} NaN tensors",
+                       f"loss at the injected step {step}: {t.losses[step - 1]}; {len(bad)} parameter tensors "
+                       f"non-finite at the end")
+    if plant == "bad_batch":
+        step = ctx["bad_step"]
+        before = float(np.median(t.losses[max(0, step - 21):step - 1]))
+        jump = t.losses[step - 1] / before
+        healthy = _healthy(ctx)
+        ok = jump >= 10 and healthy.ok
+        return Verdict(ok, f"loss x{jump:.0f}, then {healthy.value}",
+                       f"loss at step {step} {t.losses[step - 1]:.3g} = {jump:.0f}x the median of the 20 steps "
+                       f"before (needs >= 10x); recovered: {healthy.detail}")
+    if plant == "lr_too_low":
+        losses = np.array(t.losses)
+        first, last = float(np.median(losses[:20])), float(np.median(losses[-20:]))
+        change = (first - last) / first
+        ok = abs(change) < 0.01
+        return Verdict(ok, f"loss {change:+.2%}",
+                       f"train loss median {first:.4f} over the first 20 steps, {last:.4f} over the last 20 "
+                       f"({change:+.2%}; needs |change| < 1%); test acc {acc:.3f}")
+    if plant == "class_imbalance":
+        total = sum(t.label_counts.values())
+        share = t.label_counts.get(0, 0) / total
+        return Verdict(share >= 0.8, f"class 0 {share:.1%}",
+                       f"class 0 is {share:.1%} of the {total} training examples drawn (needs >= 80%)")
+    if plant == "unshuffled":
+        mean = float(np.mean(t.classes_per_batch))
+        return Verdict(mean <= 2.0, f"{mean:.2f} classes/batch",
+                       f"batches hold {mean:.2f} distinct classes on average (needs <= 2; a shuffled batch of "
+                       f"{spec['batch']} holds ~{_expected_classes(ctx):.1f})")
+    if plant == "repeated_batch":
+        n = len(t.batch_keys)
+        return Verdict(n == 1, f"{n} distinct batch",
+                       f"{n} distinct batch(es) over {len(t.losses)} steps (needs 1)")
+    if plant == "zero_grad_before_hook":
+        seen = sum(t.grads_seen_at_hook)
+        return Verdict(seen == 0, f"grads at hook {seen}/{len(t.grads_seen_at_hook)}",
+                       f"the hook found non-zero gradients in {seen} of {len(t.grads_seen_at_hook)} calls (needs 0)")
+    if plant == "not_in_optimizer":
+        neck_start = {k[len("neck."):]: v for k, v in start.items() if k.startswith("neck.")}
+        same = _identical(model.neck, neck_start)
+        growth = t.neck_grad_norms[-1] / t.neck_grad_norms[0]
+        ok = same and growth >= 10
+        return Verdict(ok, f"neck grad x{growth:.0f}",
+                       f"neck weights bit-identical to the start: {same}; its accumulated gradient norm grew "
+                       f"{growth:.0f}x from the first step (needs >= 10x)")
+    if plant == "dead_relu":
+        share = dead_share(model, ctx["data"].x["test"])
+        return Verdict(share >= 0.8, f"dead {share:.0%}",
+                       f"{share:.1%} of first-layer ReLUs never fire on any of the {len(ctx['data'].y['test'])} "
+                       f"test examples (needs >= 80%); test acc {acc:.3f}")
+    if plant == "saturated":
+        act, x_test = spec.get("act", "tanh"), ctx["data"].x["test"]
+        share = saturated_share(model, x_test, act)
+        torch.manual_seed(ctx["seed"])
+        plain = saturated_share(build_model(spec, x_test.shape[1], ctx["data"].num_classes), x_test, act)
+        ok = share >= 0.3 and share >= 10 * plain
+        return Verdict(ok, f"saturated {share:.0%}",
+                       f"{share:.1%} of hidden activations on the test set are saturated (|tanh| > 0.99 or sigmoid "
+                       f"outside 0.01-0.99) vs {plain:.1%} in the same net at its default init (needs >= 30% and "
+                       f">= 10x); test acc {acc:.3f}")
+    if plant == "vanishing":
+        ratio = first_last_grad_ratio(model, ctx["data"].x["test"], ctx["data"].y["test"])
+        return Verdict(ratio <= 1e-3, f"grad ratio {ratio:.1e}",
+                       f"first-layer / last-hidden-layer gradient norm on the test set {ratio:.2e} at the end "
+                       f"(needs <= 1e-3); test acc {acc:.3f}")
+    raise ValueError(f"no verification for plant {plant!r}")
+
+
+def _expected_classes(ctx) -> float:
+    y = ctx["y_train"].numpy()
+    p = np.bincount(y) / len(y)
+    return float(np.sum(1 - (1 - p) ** ctx["spec"]["batch"]))
+
+
+def _hidden_activations(model: nn.Module, x: torch.Tensor) -> List[torch.Tensor]:
+    acts = []
+    with torch.no_grad():
+        h = x
+        for m in model.backbone:
+            h = m(h)
+            if isinstance(m, (nn.ReLU, nn.Tanh, nn.Sigmoid)):
+                acts.append(h)
+    return acts
+
+
+def dead_share(model: nn.Module, x: torch.Tensor) -> float:
+    """Share of first-layer units whose ReLU output is 0 on every example: a manual eval pass."""
+    first = _hidden_activations(model.eval(), x)[0]
+    return float((first.amax(0) <= 0).float().mean())
+
+
+def saturated_share(model: nn.Module, x: torch.Tensor, act: str) -> float:
+    acts = torch.cat([a.reshape(-1) for a in _hidden_activations(model.eval(), x)])
+    sat = acts.abs() > 0.99 if act == "tanh" else (acts < 0.01) | (acts > 0.99)
+    return float(sat.float().mean())
+
+
+def first_last_grad_ratio(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    linears = [m for m in model.backbone if isinstance(m, nn.Linear)]
+    ratio = float(linears[0].weight.grad.norm() / linears[-1].weight.grad.norm())
+    model.zero_grad()
+    return ratio
