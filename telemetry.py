@@ -62,8 +62,8 @@ LOCK_FILE = "telemetry.lock"  # held by the one writer of a run directory
 # Names of the files telemetry keeps in output_dir (with their .rank/.spare/.tmp variants).
 _OWN_FILES = (RECORDS_FILE, RUN_FILE, LOCK_FILE, "last_checkpoint", "initial_weights")
 # Record keys that user scalars passed to on_batch_end may not take.
-_SECTION_KEYS = {"start", "reference_step", "optimizer_step", "gradient_norm", "weight_delta", "learning_rates",
-                 "holdout_logits", "batch_stats", "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
+_SECTION_KEYS = {"start", "reference_step", "grad_profile", "activations", "gradient_norm", "weight_delta",
+                 "learning_rates", "holdout_logits", "batch_stats", "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
                  "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
                  "sparse_quality", "alerts", "system", "custom", "grad_scaler"}
 _GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
@@ -165,6 +165,7 @@ class TelemetryConfig:
     track_weight_delta: bool = True  # L2 distance of trainable weights since the previous collection
     track_learning_rates: bool = True  # the current lr of every group
     track_holdout_logits: bool = True  # predictions on a fixed holdout set (see set_holdout_data)
+    track_activations: bool = True  # dead ReLU and saturated sigmoid/tanh units, seen in the holdout's forward
     track_batch_stats: bool = True  # label balance of the batch passed to on_batch_end
 
     holdout_size: int = 50  # number of holdout *examples* (not batches) kept from set_holdout_data
@@ -2498,6 +2499,7 @@ class _Collection:
     layout: Optional[_Layout] = None
     changes: Optional[Dict[str, Any]] = None  # the streamed weight pass, per tensor (see streamed_weight_changes)
     reference_step: Optional[int] = None  # the step the weight reference held when this collection read it
+    grad_profile: Optional[Dict[str, Any]] = None  # gradient norm per layer, from the gradient section
     previous_reference: Optional[str] = None  # the reference this collection replaced, kept for sparse quality
     deferred: List[_Deferred] = dataclasses.field(default_factory=list)
     strict_error: Optional[BaseException] = None
@@ -2871,6 +2873,17 @@ def _register_step_hook(hook: Callable) -> Any:
     return register_optimizer_step_post_hook(hook)
 
 
+def layer_profile(layout: _Layout, per_tensor_sq: torch.Tensor, has: torch.Tensor) -> Dict[str, Any]:
+    """Gradient L2 norm per layer (layer_key: a block index or a module), null for a layer without gradients:
+    enough to see gradients vanish towards the input, from the per-tensor norms the section computed anyway."""
+    rows, index, _ = layout.rows("layer")
+    device = per_tensor_sq.device
+    sums = torch.zeros(len(rows) + 1, dtype=per_tensor_sq.dtype, device=device).index_add_(
+        0, index.to(device), per_tensor_sq)
+    counts = torch.zeros(len(rows) + 1).index_add_(0, index.cpu(), has.float().cpu())
+    return {row: sums[r].sqrt() if counts[r] > 0 else None for r, row in enumerate(rows)}
+
+
 class _OptimizerSteps:
     """Counts optimizer.step() calls through torch's global step post-hook, so that on_batch_end can tell a
     call right after an optimizer step from a micro-batch of gradient accumulation. Wrappers (accelerate's,
@@ -2967,7 +2980,10 @@ class _Gradients:
         rows = captured[2] if captured is not None and captured[:2] == (layout.key, step) else None
 
         def finish(sq, has):
-            return layout.by_group(sq, has=has > 0) if bool(has.any()) else layout.nulls()
+            if not bool(has.any()):
+                return layout.nulls()
+            c.grad_profile = layer_profile(layout, sq, has)
+            return layout.by_group(sq, has=has > 0)
         n = len(layout.params)
         return ranks.reduce(c, "gradient_norm", [(n,), (n,)],
                             lambda: rows if rows is not None else self.rows(layout, optimizer, pre_step=False),
@@ -3114,17 +3130,29 @@ def _evaluating(model: torch.nn.Module):
 
 
 def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
-    """The batch_stats section: label balance, or token counts for a language-model batch."""
-    if isinstance(batch, dict):
-        if isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2:
-            return token_balance(batch)
+    """The batch_stats section: label balance, or token counts for a language-model batch, and a fingerprint
+    of the inputs (a loader that hands out the same batch again gives the same one)."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2:
+        stats = token_balance(batch)
+    elif isinstance(batch, dict) and find_label_key(batch, label_key) is not None:
         key = find_label_key(batch, label_key)
-        if key is None:
-            return {"batch_size": batch_size_of(batch)}
-        return label_balance(batch[key], key)
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
-        return label_balance(batch[-1], label_key or "label")
-    return {"batch_size": batch_size_of(batch)}
+        stats = label_balance(batch[key], key)
+    elif isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
+        stats = label_balance(batch[-1], label_key or "label")
+    else:
+        stats = {"batch_size": batch_size_of(batch)}
+    inputs = next((t for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(
+        batch, (tuple, list)) else [batch]) if isinstance(t, torch.Tensor)), None)
+    if inputs is not None:
+        stats["fingerprint"] = batch_fingerprint(inputs)
+    return stats
+
+
+def batch_fingerprint(inputs: torch.Tensor) -> List[torch.Tensor]:
+    """[sum x, sum x^2] of a batch's first tensor in float64: equal for the same batch, all but never for
+    two different ones. On the device: it rides the record's one transfer."""
+    x = inputs.detach().double()
+    return [x.sum(), x.square().sum()]
 
 
 def holdout_batches(data: Any, limit: int, label_key: Optional[str]) -> List[Any]:
@@ -3224,6 +3252,61 @@ def holdout_labels(batch: Any, label_key: Optional[str], labels: Optional[Callab
                      "batches, or labels= (and forward=) to set_holdout_data")
 
 
+# Activation modules whose units can die (ReLU family: output exactly 0) or saturate (a flat end of the
+# curve: sigmoid below 0.01 or above 0.99, tanh and hardtanh beyond +-0.99), with the saturation test.
+_DYING = ("ReLU", "ReLU6")
+_SATURATING = {"Sigmoid": lambda y: (y < 0.01) | (y > 0.99), "Hardsigmoid": lambda y: (y <= 0) | (y >= 1),
+               "Tanh": lambda y: y.abs() > 0.99, "Hardtanh": lambda y: y.abs() >= 0.99}
+MAX_WATCHED_ACTIVATIONS = 64  # activation modules watched per model: enough for the layers that matter
+
+
+class _ActivationWatch:
+    """The `activations` section: per activation module, over the holdout forward only (hooks put on for
+    it and taken off after, so training steps pay nothing), the share of ReLU-family units that never fire
+    and the share of sigmoid/tanh outputs on a flat end. A unit is a feature (the last dim of [N, F] and
+    [N, T, F]) or a channel ([N, C, H, W]). Sums stay on the device until the record's one transfer."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.watched = [(name, m) for name, m in model.named_modules()
+                        if type(m).__name__ in _DYING or type(m).__name__ in _SATURATING][:MAX_WATCHED_ACTIVATIONS]
+        self.seen: Dict[str, Dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def watching(self):
+        handles = [m.register_forward_hook(functools.partial(self._observe, name)) for name, m in self.watched]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _observe(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not isinstance(output, torch.Tensor) or output.dim() < 2 or not output.is_floating_point():
+            return
+        kind = type(module).__name__
+        units = output.movedim(1, -1) if output.dim() == 4 else output
+        units = units.detach().reshape(-1, units.shape[-1])
+        entry = self.seen.setdefault(name, {"kind": kind.lower(), "units": units.shape[1]})
+        if kind in _DYING:
+            fired = (units > 0).any(0)
+            entry["fired"] = fired if "fired" not in entry else entry["fired"] | fired
+        else:
+            flat = _SATURATING[kind](units.float()).sum()
+            entry["flat"] = flat if "flat" not in entry else entry["flat"] + flat
+            entry["values"] = entry.get("values", 0) + units.numel()
+
+    def section(self) -> Optional[Dict[str, Any]]:
+        out = {}
+        for name, entry in self.seen.items():
+            row = {"kind": entry["kind"], "units": entry["units"]}
+            if "fired" in entry:
+                row["dead"] = 1 - entry["fired"].float().mean()
+            if "flat" in entry:
+                row["saturated"] = entry["flat"].float() / max(entry["values"], 1)
+            out[name or "model"] = row
+        return out or None
+
+
 class _Holdout:
     """The fixed holdout set: up to holdout_size examples, how to run the model on them, where its
     predictions and labels are, whether it is regression, and the batches already moved to each device."""
@@ -3236,6 +3319,7 @@ class _Holdout:
         self.labels: Optional[Callable] = None
         self.output: Any = None
         self.regression = False
+        self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
 
     def set(self, data: Any, forward: Optional[Callable], labels: Optional[Callable], output: Any) -> int:
         """Keep the first holdout_size examples, refusing here what could not be used later; returns how
@@ -3294,8 +3378,10 @@ class _Holdout:
                 return language_model_holdout(logits, labels, self.config.holdout_token_ids)
             return logits, labels
 
-        with _evaluating(model):
+        watch = _ActivationWatch(model) if self.config.track_activations and not ranks.lockstep else None
+        with _evaluating(model), watch.watching() if watch is not None else contextlib.nullcontext():
             parts = ranks.over_batches("holdout", self.on(model, device), score)
+        self.activations = watch.section() if watch is not None else None
         if parts is None:
             return None
         lm = [p for p in parts if isinstance(p, dict)]
@@ -3695,6 +3781,8 @@ class TrainingTelemetry:
             c.add("grad_scaler", self._scaler.section)
         if cfg.track_holdout_logits and self._holdout.batches:
             c.add("holdout_logits", self._holdout.section, model, device, self._ranks)
+            if self._holdout.activations:
+                c.record["activations"] = self._holdout.activations
         if cfg.track_batch_stats and batch is not None:
             c.add("batch_stats", batch_stats, batch, cfg.batch_label_key)
         if cfg.track_system:
@@ -3746,6 +3834,8 @@ class TrainingTelemetry:
         if cfg.track_layer_stats:
             c.add("layer_stats", layer_stats_section, c, layout, ranks, cfg.layer_stats_by)
         ranks.finish(c)
+        if c.grad_profile is not None:
+            c.record["grad_profile"] = c.grad_profile
         if c.changes is not None:
             if cfg.track_update_ratio:
                 c.add("update_ratio", update_ratio_section, layout, c.changes)
