@@ -2376,14 +2376,8 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
         # The optimizer's groups too: the record shows both.
         readers.update((n, reader(gi)) for gi, n in enumerate(opt_names) if n not in readers)
     elif opt_groups:
-        first, frozen_in = ({n: [] for n in opt_names} for _ in range(2))
-        for i, p in enumerate(params):
-            first[opt_names[opt_index[id(p)]]].append(i)
-        for i, (_, p) in enumerate(frozen):
-            frozen_in[opt_names[opt_index[id(p)]]].append(i)
-        # A group with no trainable parameter (the HF Trainer's empty no-decay group, a frozen backbone) has
-        # a learning rate but no gradient or delta: a 0 there would read as a group that stopped moving.
-        first = {n: idx for n, idx in first.items() if idx}
+        first = _partition_by_optimizer(params, opt_index, opt_names)
+        frozen_in = _partition_by_optimizer([p for _, p in frozen], opt_index, opt_names)
         readers.update((n, reader(gi)) for gi, n in enumerate(opt_names))
     else:
         first, frozen_in = {"all": list(range(len(params)))}, {"all": list(range(len(frozen)))}
@@ -2406,6 +2400,17 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
                      frozen={g: [frozen[i] for i in idx] for g, idx in frozen_in.items() if idx},
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
     return layout, partitions
+
+
+def _partition_by_optimizer(params: List[torch.Tensor], opt_index: Dict[int, int],
+                            opt_names: List[str]) -> Dict[str, List[int]]:
+    """Each tensor in its optimizer group. A group with no trainable parameter (the HF Trainer's empty
+    no-decay group, a frozen backbone) is left out: it has a learning rate but no gradient or delta, and a
+    0 there would read as a group that stopped moving."""
+    groups: Dict[str, List[int]] = {n: [] for n in opt_names}
+    for i, p in enumerate(params):
+        groups[opt_names[opt_index[id(p)]]].append(i)
+    return {n: idx for n, idx in groups.items() if idx}
 
 
 def _partition_by_patterns(every: List[str], names: List[str], groups: Dict[str, List[str]]) -> Dict[str, List[int]]:

@@ -214,7 +214,10 @@ def test_regression_is_recorded_as_regression(tmp_path):
     assert h["mae"] == pytest.approx(float((pred - t[-50:].double()).abs().mean()), rel=1e-5)
     assert h["squared_error"] == pytest.approx((pred - t[-50:].double()).square().tolist(), rel=1e-4, abs=1e-7)
     # No classes in a regression batch: its balance is the batch size only.
-    assert rec["batch_stats"] == {"batch_size": 32, "label_key": "label"}
+    stats = dict(rec["batch_stats"])
+    assert stats.pop("fingerprint") == [pytest.approx(x[:32].double().sum().item()),
+                                        pytest.approx(x[:32].double().square().sum().item())]
+    assert stats == {"batch_size": 32, "label_key": "label"}
 
 
 # ---- optimizer steps, accumulation, parameters, arguments --------------------------------------------
