@@ -3666,7 +3666,7 @@ class TrainingTelemetry:
         if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_ddp(model), optimizer)
         if not self._schedule.take_due() or not self._active():
-            if self.step == self._silent_warn_step:
+            if 0 < self._silent_warn_step <= self.step:
                 self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx was never a "
                                      f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
                                      "than that restart batch_idx before it gets there; lower collect_every_n.")
