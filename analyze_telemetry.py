@@ -1138,8 +1138,8 @@ def check_loss_stalled(run: Run) -> list:
     untrained, prior = _chance_losses(run)
     if t is None or prior is None or not _flat(t) or _weights_barely_move(run)[0]:
         return []
-    if t.last < prior - 3 * t.se:
-        return []   # flat below the chance level: it learned before the first collection
+    if abs(t.last - prior) > max(3 * t.se, 0.1 * prior):
+        return []   # flat but away from the chance level: it learned before the first collection, or blew up
     return [Finding(
         "loss_stalled", "warning",
         f"the train loss stayed at the chance level from the start: median {_fmt(t.first)} over the first fifth of "
@@ -1150,16 +1150,16 @@ def check_loss_stalled(run: Run) -> list:
              "then raise the learning rate (try 3-10x) or check the gradients reach the early layers.")]
 
 
-def _peak_loss(run: Run):
-    """(value, step, which) of the highest train or holdout loss, or None."""
+def _peak_loss(run: Run, level: float):
+    """(value, step, which, first step at or above `level`) of the highest train or holdout loss, or None."""
     candidates = []
     h = holdout_data(run)
     for which, x, st in (("train", column(run, "loss"), steps(run)),
                          ("holdout", h.loss if h else np.array([]), h.steps if h else np.array([]))):
-        ok = np.isfinite(x)
-        if ok.any():
-            i = int(np.argmax(np.where(ok, x, -np.inf)))
-            candidates.append((float(x[i]), int(st[i]), which))
+        x = np.where(np.isfinite(x), x, -np.inf)
+        if len(x) and np.isfinite(x).any():
+            i = int(np.argmax(x))
+            candidates.append((float(x[i]), int(st[i]), which, int(st[np.argmax(x >= level)])))
     return max(candidates) if candidates else None
 
 
@@ -1174,15 +1174,15 @@ def check_loss_diverging(run: Run) -> list:
                        f"{_fmt(t.last)} over the last ({_change_text(t.first, t.last)})")
         where.append(t.where[0])
     untrained, _ = _chance_losses(run)
-    peak = _peak_loss(run)
+    peak = _peak_loss(run, 1.5 * untrained) if untrained else None
     # A model that knows nothing scores `untrained`; 1.5x that is a model confidently wrong, which only a
     # blow-up makes of a fresh one (the healthy corpus runs never pass 1.11x), and still being at that level
     # at the end means it never recovered.
-    if untrained and peak and peak[0] >= 1.5 * untrained and t.last >= untrained - 3 * t.se:
-        reasons.append(f"the {peak[2]} loss reached {_fmt(peak[0])} at step {peak[1]}, {peak[0] / untrained:.1f}x the "
+    if peak and peak[0] >= 1.5 * untrained and t.last >= untrained - 3 * t.se:
+        reasons.append(f"the {peak[2]} loss reached {_fmt(peak[0])} at step {peak[1]}, {peak[0] / untrained:.3g}x the "
                        f"{_fmt(untrained)} of a model that knows nothing, and the train loss is still "
                        f"{_fmt(t.last)} over the last fifth of the run")
-        where.append(peak[1])
+        where.append(peak[3])
     if not reasons:
         return []
     return [Finding(
@@ -1605,11 +1605,13 @@ def _example_losses(h: dict):
         return None
 
 
-def _holdout_loss_rise(h: Holdout, untrained):
-    """(reason, [steps]) when the holdout loss, past its best, gave back a real share of what it had gained:
-    at least a tenth of the way from its best back to where it started (the healthy corpus runs give back at
-    most 4%, the overfitting ones 40% and more), beyond the wobble of the series after the best (3 robust
-    sigmas) and by at least 10% of the best; None otherwise."""
+def _holdout_loss_rise(h: Holdout):
+    """(reason, [steps]) when the holdout loss rose past its best, beyond the run's own wobble and by a
+    margin that matters; None otherwise. The wobble is the robust spread of the collection-to-collection
+    changes over the second half of the run: the rise must clear 6 of those (as loss spikes do; the healthy
+    corpus runs reach 3.4, the overfitting ones thousands, their holdout loss climbing smoothly). The
+    margin is 20% of the best: the corpus calls a run healthy while its test loss stays within 1.2x of its
+    best, and overfit from 1.3x."""
     ok = np.isfinite(h.loss)
     x, st = h.loss[ok], h.steps[ok]
     if len(x) < 5:
@@ -1617,15 +1619,14 @@ def _holdout_loss_rise(h: Holdout, untrained):
     sm = _smooth3(x)
     b = int(np.argmin(sm))
     best, end = float(sm[b]), float(np.median(x[-3:]))
-    start = max(float(x[0]), untrained or 0.0)
     if st[-1] - st[b] < 0.2 * max(st[-1] - st[0], 1):
         return None
-    rise = end - best
-    if rise < max(0.1 * (start - best), 3 * _noise_sd(x[b:]), 0.1 * abs(best), 1e-12):
+    wobble = _noise_sd(x[len(x) // 2:])
+    if end - best < max(6 * wobble, 0.2 * abs(best), 1e-12):
         return None
-    return (f"holdout loss rose from its best {_fmt(best)} at step {int(st[b])} to {_fmt(end)} (giving back "
-            f"{rise / max(start - best, 1e-12):.0%} of its fall from {_fmt(start)})" if start > best else
-            f"holdout loss rose from {_fmt(best)} at step {int(st[b])} to {_fmt(end)}"), [int(st[b]), int(st[-1])]
+    return (f"holdout loss rose from its best {_fmt(best)} at step {int(st[b])} to {_fmt(end)} ({end / best:.2f}x; "
+            f"its collection-to-collection wobble is {_fmt(wobble)})" if best > 0 else
+            f"holdout loss rose from its best {_fmt(best)} at step {int(st[b])} to {_fmt(end)}"), [int(st[b]), int(st[-1])]
 
 
 def _holdout_accuracy_fall(h: Holdout, n: int):
@@ -1651,7 +1652,7 @@ def check_overfitting(run: Run) -> list:
         return []
     n = int(h.n or 0) or 50
     reasons, where = [], []
-    for found in (_holdout_loss_rise(h, _chance_losses(run)[0]), _holdout_accuracy_fall(h, n)):
+    for found in (_holdout_loss_rise(h), _holdout_accuracy_fall(h, n)):
         if found:
             improved, how = _train_improved(run, found[1][0])
             if improved:
@@ -1903,11 +1904,18 @@ def check_dead_units(run: Run) -> list:
     if not rows:
         return []
     n = _get(run.meta, ["holdout", "examples"])
+    died = [r[0] for r in rows if r[2] < DEAD_SHARE]
+    when = (f" {', '.join(died)} died during training, the sign of steps too large for the layer"
+            if died else f" They were dead already at the first collection (step {rows[0][3]}): the init or the "
+            "biases, or a blow-up in the first steps")
     return [Finding(
         "dead_units", "warning", f"{len(rows)} ReLU layer(s) with most units dead (never firing): "
-        + _units_text(rows, "dead", n) + ".", _steps_list(sorted(r[3] for r in rows)), group=rows[0][0],
-        hint="Dead ReLUs pass no gradient and never recover: check the biases and init (Kaiming), lower the learning "
-             "rate (a blow-up kills units), or use LeakyReLU/GELU; normalisation before the activation helps.")]
+        + _units_text(rows, "dead", n) + "." + when + ".", _steps_list(sorted(r[3] for r in rows)),
+        group=rows[0][0],
+        hint=("Lower the learning rate (or warm it up, or clip gradients): units that die during training were "
+              "pushed there by large updates, and dead ReLUs pass no gradient, so they never recover. "
+              if died else "Check the biases and the init (Kaiming for ReLU); ")
+        + "LeakyReLU/GELU or normalisation before the activation also keep units alive.")]
 
 
 # A unit on a flat end (|tanh| > 0.99, sigmoid outside 0.01-0.99) passes under 2% of the gradient; at a
@@ -2069,26 +2077,29 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # finding that a higher-ranked one explains (CONSEQUENCES) is listed under it, not beside it.
 STAGES = (
     ("section_failed", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lora_not_learning", "lr_zero",
-     "frozen_group", "not_learning"),
+     "not_learning"),
     ("repeated_batches", "unshuffled_batches", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
-    ("dead_units", "saturated_units", "vanishing_gradients"),
+    # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
+    ("dead_units", "saturated_units", "vanishing_gradients", "frozen_group"),
     # A holdout at chance says more than a train loss stalled at chance (labels that carry no signal for the
     # inputs show in both), so it comes first and takes the stalled loss under it.
     ("holdout_at_chance", "loss_stalled", "overfitting", "forgetting"),
 )
 BLOWUPS = STAGES[2]   # events in time: they explain only what starts at or after them
-_AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("frozen_group", "not_learning") + STAGES[4]
+_AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("not_learning",) + STAGES[4]
+# Parameters that cannot train leave the rest of the model to learn what it can: it may not be enough.
+_UNTRAINED_PART = ("frozen_group", "holdout_at_chance", "loss_stalled", "forgetting")
 CONSEQUENCES = {
     "missing_gradients": ("frozen_group", "exploding_gradients", "vanishing_gradients"),
-    "not_in_optimizer": ("frozen_group",),
-    "frozen_parameters": ("frozen_group",),
-    "lr_zero": ("frozen_group",),
+    **dict.fromkeys(("not_in_optimizer", "frozen_parameters", "lr_zero"), _UNTRAINED_PART),
     "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     "repeated_batches": ("class_imbalance", "loss_spike", "exploding_gradients") + STAGES[4],
     "unshuffled_batches": ("class_imbalance",) + BLOWUPS + STAGES[3] + STAGES[4],
-    "class_imbalance": ("holdout_at_chance", "forgetting"),
+    # train batches drawn from other label shares than the holdout's: its loss gets worse as the model
+    # learns the train shares
+    "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting"),
     **dict.fromkeys(BLOWUPS, _AFTER_A_BLOWUP),
     "dead_units": ("vanishing_gradients", "frozen_group", "loss_stalled", "holdout_at_chance", "forgetting"),
     "saturated_units": ("vanishing_gradients", "loss_stalled", "holdout_at_chance", "forgetting"),
@@ -2118,25 +2129,26 @@ def _rank_key(f: Finding):
     return (f.severity == "info", stage, _onset(f) if f.code in BLOWUPS else 0, within)
 
 
-def _explains(cause: Finding, f: Finding) -> bool:
+def _explains(cause: Finding, f: Finding, tolerance: float = 0) -> bool:
     code = _as_analyzer_code(f)
     if code not in CONSEQUENCES.get(cause.code, ()):
         return False
-    if cause.code in BLOWUPS and _onset(f) < _onset(cause):
-        return False   # an effect does not come before its cause
+    if cause.code in BLOWUPS and _onset(f) < _onset(cause) - tolerance:
+        return False   # an effect does not come before its cause (seen at the collections' resolution)
     if cause.code == "lora_not_learning" and code in ("lr_zero", "frozen_group"):
         return "lora" in (f.group or "").lower()
-    return not (cause.code in GROUP_SCOPED and f.group is not None and f.group != cause.group)
+    return not (cause.code in GROUP_SCOPED and code == "frozen_group" and f.group != cause.group)
 
 
-def rank_findings(findings: list) -> list:
+def rank_findings(findings: list, interval: float = 0) -> list:
     """The findings with each root cause first and what it explains folded into its `consequences`
     (directly or through one of them); a cause takes the highest severity among its consequences, so that
-    --check still fails where one of them is critical. Only warnings and criticals explain others."""
+    --check still fails where one of them is critical. Only warnings and criticals explain others.
+    `interval`: the steps between two collections, the resolution of every onset."""
     top = []
     for f in sorted(findings, key=_rank_key):
         cause = next((c for c in top if c.severity != "info" and any(
-            _explains(x, f) for x in [c] + c.consequences)), None)
+            _explains(x, f, interval) for x in [c] + c.consequences)), None)
         if cause is None:
             top.append(f)
             continue
@@ -2165,7 +2177,8 @@ def diagnose(run: Run) -> list:
             for f in found:
                 if not (f.source == "telemetry" and _fold_alert(findings, f)):
                     findings.append(f)
-    return rank_findings(findings)
+    gaps = np.diff(steps(run))
+    return rank_findings(findings, float(np.median(gaps[gaps > 0])) if (gaps > 0).any() else 0)
 
 
 def _fold_alert(findings: list, alert: Finding) -> bool:

@@ -36,14 +36,16 @@ ALARM = ("warning", "critical")
 # ---- What each planted problem should be called ---------------------------------------------------------
 # problem: (named if any of these codes appears at warning/critical, the codes that count as its cause)
 PROBLEMS: Dict[str, tuple] = {
-    "frozen": ({"frozen_parameters", "frozen_group"}, {"frozen_parameters", "frozen_group"}),
+    # requires_grad_(False) in a group with lr > 0: the records say exactly that (run.json's frozen tensors)
+    "frozen": ({"frozen_parameters", "frozen_group"}, {"frozen_parameters"}),
     "lr_zero": ({"lr_zero", "frozen_group"}, {"lr_zero"}),
     "misaligned": ({"holdout_at_chance"}, {"holdout_at_chance"}),
     "overfitting": ({"overfitting"}, {"overfitting"}),
     "lr_too_high": ({"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"},
                     {"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"}),
     "nan_input": ({"nonfinite"}, {"nonfinite"}),
-    "bad_batch": ({"loss_spike", "exploding_gradients", "grad_spike"}, {"loss_spike", "exploding_gradients"}),
+    # one bad batch: its loss spikes first, and the gradient jump at the same step follows from that loss
+    "bad_batch": ({"loss_spike", "exploding_gradients", "grad_spike"}, {"loss_spike"}),
     "lr_too_low": ({"not_learning", "loss_stalled"}, {"not_learning", "loss_stalled"}),
     "class_imbalance": ({"class_imbalance"}, {"class_imbalance"}),
     "dead_relu": ({"dead_units"}, {"dead_units"}),
