@@ -1083,6 +1083,11 @@ def _flat(t: LossTrend) -> bool:
     return t.first - t.last < max(3 * t.se, 0.01 * abs(t.first))
 
 
+def _trend_text(t: LossTrend) -> str:
+    return (f"median {_fmt(t.first)} over the first fifth of the run and {_fmt(t.last)} over the last "
+            f"({_change_text(t.first, t.last)}; the noise allows +/-{_fmt(3 * t.se)})")
+
+
 def _change_text(a: float, b: float) -> str:
     if a > 0 and b >= 2 * a:
         return f"{b / a:.1f}x as high"
@@ -1126,9 +1131,8 @@ def check_not_learning(run: Run) -> list:
     level = f", the level of a model that knows nothing is {_fmt(untrained)}" if untrained else ""
     return [Finding(
         "not_learning", "critical",
-        f"the weights barely move ({why}) and the train loss does not fall: median {_fmt(t.first)} over the first "
-        f"fifth of the run and {_fmt(t.last)} over the last ({_change_text(t.first, t.last)}; the noise allows "
-        f"+/-{_fmt(3 * t.se)}){level}.", _steps_list(t.where), hint=hint)]
+        f"the weights barely move ({why}) and the train loss does not fall: {_trend_text(t)}{level}.",
+        _steps_list(t.where), hint=hint)]
 
 
 def check_loss_stalled(run: Run) -> list:
@@ -1142,10 +1146,8 @@ def check_loss_stalled(run: Run) -> list:
         return []   # flat but away from the chance level: it learned before the first collection, or blew up
     return [Finding(
         "loss_stalled", "warning",
-        f"the train loss stayed at the chance level from the start: median {_fmt(t.first)} over the first fifth of "
-        f"the run and {_fmt(t.last)} over the last ({_change_text(t.first, t.last)}; the noise allows "
-        f"+/-{_fmt(3 * t.se)}), against {_fmt(prior)} for a model that predicts only the label shares, although "
-        "the weights move.", _steps_list(t.where),
+        f"the train loss stayed at the chance level from the start: {_trend_text(t)}, against {_fmt(prior)} for a "
+        "model that predicts only the label shares, although the weights move.", _steps_list(t.where),
         hint="Check that the labels line up with the inputs and that the loss is computed on the model output; "
              "then raise the learning rate (try 3-10x) or check the gradients reach the early layers.")]
 
