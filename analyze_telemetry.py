@@ -826,8 +826,8 @@ def check_frozen_parameters(run: Run) -> list:
         share = still / (still + moving) if still + moving else 1.0
         names = [_text(n) for n in info.get("frozen_names") or [] if isinstance(n, str)]
         what = "all of its" if not trainable else f"{frozen} of its {frozen + trainable}"
-        # Most of what the group's learning rate is meant to train not training is the planted-mistake
-        # case; a few frozen tensors in a trainable group may be deliberate.
+        # Most of a group frozen while its lr says train is the mistake of freezing after the optimizer was
+        # built; a few frozen tensors among trainable ones may be meant (a frozen embedding).
         findings.append(Finding(
             "frozen_parameters", "critical" if share >= 0.5 else "warning",
             f"group '{g}' has learning rate {_fmt(lr)} but {what} tensors ({_fmt(still)} weights, {share:.0%} of the "
@@ -2094,7 +2094,9 @@ _AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("not_learning",) + STAGES[4]
 _UNTRAINED_PART = ("frozen_group", "holdout_at_chance", "loss_stalled", "forgetting")
 CONSEQUENCES = {
     "missing_gradients": ("frozen_group", "exploding_gradients", "vanishing_gradients"),
-    **dict.fromkeys(("not_in_optimizer", "frozen_parameters", "lr_zero"), _UNTRAINED_PART),
+    **dict.fromkeys(("frozen_parameters", "lr_zero"), _UNTRAINED_PART),
+    # a LoRA adapter that does not learn while some tensors are in no optimizer group: they are its own
+    "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     "repeated_batches": ("class_imbalance", "loss_spike", "exploding_gradients") + STAGES[4],
