@@ -2893,7 +2893,7 @@ def write_report(results, written, skipped, out_dir: Path) -> Path:
             parts.append(f"<p class='notice'>notice: {e(n)}</p>")
         if not findings:
             parts.append("<p class='ok'>No findings: nothing looks wrong.</p>")
-        for f in findings:
+        for f in every_finding(findings):
             where = ", ".join(str(s) for s in f.steps[:10])
             parts.append(f"<div class='f {e(f.severity)}'><span class='sev'>{e(f.severity)}</span> "
                          f"<code>{e(f.code)}</code> {e(f.message)}"

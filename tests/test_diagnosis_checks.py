@@ -162,12 +162,22 @@ def test_stalled_loss_on_random_labels_sits_under_the_holdout_at_chance(tmp_path
     assert forgetting is None or forgetting.severity == "info"   # nothing was learned, so nothing forgotten
 
 
-def test_loss_diverging_takes_its_echoes_under_it(tmp_path, digits):
-    top, found = first_loud(train(tmp_path / "r", digits, mlp(), lr=2.0, opt="sgd", steps=80))
+def test_loss_diverging_takes_its_echoes_under_it(tmp_path, digits, capsys):
+    path = train(tmp_path / "r", digits, mlp(), lr=2.0, opt="sgd", steps=80)
+    top, found = first_loud(path)
     assert top.code == "loss_diverging", [(f.code, f.message) for f in found]
     under = {c.code for c in top.consequences}
     assert {"dead_units", "holdout_at_chance"} <= under
     assert [f.code for f in found if f.code in ("dead_units", "holdout_at_chance")] == []
+    assert top.severity == "critical"   # it takes the holdout at chance's severity: --check still fails
+    assert at.main([str(path), "--json", "--check"]) == 1
+    first = json.loads(capsys.readouterr().out)["findings"][0]
+    assert first["code"] == "loss_diverging" and {"dead_units", "holdout_at_chance"} <= {
+        c["code"] for c in first["consequences"]}
+    at.main([str(path), "--no-plots"])
+    text = capsys.readouterr().out
+    assert "  CRITICAL loss_diverging: " in text and "follows from it:" in text
+    assert "             CRITICAL holdout_at_chance: " in text   # indented under its cause
 
 
 def test_loss_oscillating(tmp_path, digits):
