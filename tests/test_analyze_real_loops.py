@@ -59,10 +59,11 @@ def write_lines(path, recs, meta):
 
 
 def codes(path):
+    """The run and {code: finding} of all its findings, those a root cause explains included."""
     run = at.load_run(path, progress=False)
     found = at.diagnose(run)
     assert not [n for n in run.notices if at.CHECK_FAILED in n], run.notices
-    return run, {f.code: f for f in found}
+    return run, {f.code: f for f in reversed(at.every_finding(found))}
 
 
 # ---- restarts ------------------------------------------------------------------------------------
@@ -218,7 +219,8 @@ def regression_run(out, n_train, lr, hidden, steps=120, every=4, batch=32):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        rec = tel.on_batch_end(model, opt, i, 0, batch={"x": x[idx], "target": y[idx]}, loss=loss.item())
+        epoch = i - 1 if n_train <= batch else 0   # full-batch training: every step is an epoch
+        rec = tel.on_batch_end(model, opt, i, epoch, batch={"x": x[idx], "target": y[idx]}, loss=loss.item())
         if rec is not None:
             with torch.no_grad():
                 pred = model(xh)

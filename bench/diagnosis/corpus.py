@@ -4,6 +4,7 @@ analyze_telemetry.py; prints how well the findings match the labels.
     python bench/diagnosis/corpus.py --out /tmp/corpus                       # every run, seeds 0 1 2
     python bench/diagnosis/corpus.py --out /tmp/corpus --only misaligned --seeds 0
     python bench/diagnosis/corpus.py --out /tmp/corpus --analyzer ../other/analyze_telemetry.py --json r.json
+    python bench/diagnosis/corpus.py --rescore r.json --json r2.json   # the same runs, analyzed again
 
 Every label is checked on the run itself (see README.md): a run whose check fails is shown as not verified
 and left out of the totals.
@@ -35,14 +36,16 @@ ALARM = ("warning", "critical")
 # ---- What each planted problem should be called ---------------------------------------------------------
 # problem: (named if any of these codes appears at warning/critical, the codes that count as its cause)
 PROBLEMS: Dict[str, tuple] = {
-    "frozen": ({"frozen_parameters", "frozen_group"}, {"frozen_parameters", "frozen_group"}),
+    # requires_grad_(False) in a group with lr > 0: the records say exactly that (run.json's frozen tensors)
+    "frozen": ({"frozen_parameters", "frozen_group"}, {"frozen_parameters"}),
     "lr_zero": ({"lr_zero", "frozen_group"}, {"lr_zero"}),
     "misaligned": ({"holdout_at_chance"}, {"holdout_at_chance"}),
     "overfitting": ({"overfitting"}, {"overfitting"}),
     "lr_too_high": ({"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"},
                     {"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"}),
     "nan_input": ({"nonfinite"}, {"nonfinite"}),
-    "bad_batch": ({"loss_spike", "exploding_gradients", "grad_spike"}, {"loss_spike", "exploding_gradients"}),
+    # one bad batch: its loss spikes first, and the gradient jump at the same step follows from that loss
+    "bad_batch": ({"loss_spike", "exploding_gradients", "grad_spike"}, {"loss_spike"}),
     "lr_too_low": ({"not_learning", "loss_stalled"}, {"not_learning", "loss_stalled"}),
     "class_imbalance": ({"class_imbalance"}, {"class_imbalance"}),
     "dead_relu": ({"dead_units"}, {"dead_units"}),
@@ -299,15 +302,14 @@ def format_totals(t: Dict[str, Any]) -> str:
 
 # ---- Command line ---------------------------------------------------------------------------------------
 
+def matches(run_id: str, patterns: Optional[List[str]]) -> bool:
+    """No patterns, or one the run id contains (or matches as a glob)."""
+    return not patterns or any(fnmatch.fnmatch(run_id, p) if any(c in p for c in "*?[") else p in run_id
+                               for p in patterns)
+
+
 def select(patterns: Optional[List[str]], seeds: List[int]) -> List[tuple]:
-    chosen = []
-    for spec in SPECS:
-        for seed in seeds:
-            run_id = f"{spec.name}/s{seed}"
-            if not patterns or any(fnmatch.fnmatch(run_id, p) if any(c in p for c in "*?[") else p in run_id
-                                   for p in patterns):
-                chosen.append((spec, seed))
-    return chosen
+    return [(spec, seed) for spec in SPECS for seed in seeds if matches(f"{spec.name}/s{seed}", patterns)]
 
 
 COST = {"lora": 4, "char_lm": 4, "classifier": 1}  # longest first, so the pool finishes together
@@ -315,7 +317,10 @@ COST = {"lora": 4, "char_lm": 4, "classifier": 1}  # longest first, so the pool 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for the run directories (each run gets a fresh one)")
+    p.add_argument("--out", help="directory for the run directories (each run gets a fresh one)")
+    p.add_argument("--rescore", metavar="FILE",
+                   help="train nothing: analyze again the run directories a previous --json FILE lists, with their "
+                        "labels as verified when they were trained")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--only", nargs="+", metavar="PATTERN",
                    help="run ids (problem/arch/sN) containing PATTERN, or matching it as a glob")
@@ -323,6 +328,10 @@ def main(argv=None) -> int:
     p.add_argument("--analyzer", default=os.path.join(REPO, "analyze_telemetry.py"))
     p.add_argument("--json", metavar="FILE", help="write every run, its findings and the totals to FILE")
     args = p.parse_args(argv)
+    if args.rescore:
+        return rescore(args)
+    if not args.out:
+        p.error("--out is required (or --rescore FILE)")
     try:
         import sklearn  # noqa: F401  the datasets; not a dependency of the project itself
     except ImportError:
@@ -349,17 +358,38 @@ def main(argv=None) -> int:
             for n, fut in enumerate(as_completed(futures), 1):
                 results[futures[fut]] = fut.result()
                 _progress(n, len(todo), results[futures[fut]], started)
-    wall = time.time() - started
+    report(results, args, analyzer, args.seeds, time.time() - started)
+    return 0
+
+
+def report(results: List[Dict[str, Any]], args, analyzer: str, seeds: List[int], wall: float) -> None:
+    """Score the runs, print the table and the totals, and write --json."""
     scored = [score(r) for r in results]
     t = totals(scored)
     print(table(scored))
     print()
     print(format_totals(t))
-    print(f"\nwall time {wall:.0f} s for {len(todo)} runs with --jobs {args.jobs}")
+    print(f"\nwall time {wall:.0f} s for {len(results)} runs with --jobs {args.jobs}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"analyzer": analyzer, "seeds": args.seeds, "jobs": args.jobs, "wall_s": round(wall, 1),
+            json.dump({"analyzer": analyzer, "seeds": seeds, "jobs": args.jobs, "wall_s": round(wall, 1),
                        "totals": t, "runs": scored}, f, indent=1, default=str)
+
+
+def rescore(args) -> int:
+    """Analyze the runs of an earlier --json again (a changed analyzer, the same trained runs): the labels
+    stay as they were verified at training time, only the findings are new. --only narrows the runs."""
+    with open(args.rescore) as f:
+        earlier = json.load(f)
+    analyzer = os.path.abspath(args.analyzer)
+    keep = [r for r in earlier["runs"] if matches(r["id"], args.only)]
+    started = time.time()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        found = list(pool.map(analyze, [r["run_dir"] for r in keep], [analyzer] * len(keep)))
+    drop = ("findings", "summary", "analyzer_error", "analyze_s", "analyzer_rc", "alarms", "named", "cause_first",
+            "false_alarm", "error", "expected", "cause_codes")
+    results = [{**{k: v for k, v in r.items() if k not in drop}, **new} for r, new in zip(keep, found)]
+    report(results, args, analyzer, earlier.get("seeds", []), time.time() - started)
     return 0
 
 
