@@ -3289,16 +3289,18 @@ class _ActivationWatch:
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or not output.is_floating_point():
             return
         kind = type(module).__name__
-        units = output.movedim(1, -1) if output.dim() == 4 else output
-        units = units.detach().reshape(-1, units.shape[-1])
-        entry = self.seen.setdefault(name, {"kind": kind.lower(), "units": units.shape[1]})
+        output = output.detach()
+        unit_dim = 1 if output.dim() == 4 else output.dim() - 1  # reduced in place: no copy of the output
+        entry = self.seen.setdefault(name, {"kind": kind.lower(), "units": output.shape[unit_dim]})
         if kind in _DYING:
-            fired = (units > 0).any(0)
+            fired = (output > 0).any(0)
+            for _ in range(output.dim() - 2):
+                fired = fired.any(1 if unit_dim == 1 else 0)
             entry["fired"] = fired if "fired" not in entry else entry["fired"] | fired
         else:
-            flat = _SATURATING[kind](units.float()).sum()
+            flat = _SATURATING[kind](output).sum()
             entry["flat"] = flat if "flat" not in entry else entry["flat"] + flat
-            entry["values"] = entry.get("values", 0) + units.numel()
+            entry["values"] = entry.get("values", 0) + output.numel()
 
     def section(self) -> Optional[Dict[str, Any]]:
         out = {}
