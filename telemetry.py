@@ -3292,10 +3292,8 @@ class _ActivationWatch:
         output = output.detach()
         unit_dim = 1 if output.dim() == 4 else output.dim() - 1  # reduced in place: no copy of the output
         entry = self.seen.setdefault(name, {"kind": kind.lower(), "units": output.shape[unit_dim]})
-        if kind in _DYING:
-            fired = (output > 0).any(0)
-            for _ in range(output.dim() - 2):
-                fired = fired.any(1 if unit_dim == 1 else 0)
+        if kind in _DYING:  # a unit fired when its largest output is above 0: one reading pass
+            fired = output.amax(dim=[d for d in range(output.dim()) if d != unit_dim]) > 0
             entry["fired"] = fired if "fired" not in entry else entry["fired"] | fired
         else:
             flat = _SATURATING[kind](output).sum()

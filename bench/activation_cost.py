@@ -11,13 +11,7 @@ collect and the training steps between collections with each instance, and count
 model during training (0 expected). Two models: an MLP and a small CNN, both ReLU, on random data of
 MNIST's shape. Ratios are measured side by side in one run; absolute times depend on the machine.
 
-Measured on this project's shared 2-core CPU machine (`python bench/activation_cost.py`, 30 collections
-each, torch 2.13.0, one thread):
-- MLP 784-512-512-10: a collection 1.018x with the check on (39.1 vs 38.4 ms);
-- CNN 16-32 channels: a collection 1.453x (362 vs 249 ms): for [N, C, H, W] outputs the hook moves the channels
-  last and reduces over N*H*W rows, which costs as much as the convolutions' forward on the holdout;
-- steps that do not collect: on_batch_end 0.99x and 1.00x, the training step 0.998x and 1.003x, and no
-  forward hook on the model while training.
+The figures measured on this project's machine are in bench/RESULTS.md, with this command.
 """
 
 import argparse
