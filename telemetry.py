@@ -4122,3 +4122,136 @@ def lightning_callback_class() -> type:
 
     _LAZY_CLASSES["lightning"] = TelemetryCallback
     return TelemetryCallback
+
+
+# =====================================================================================================
+# Command line: python telemetry.py --write-config telemetry.yaml
+# =====================================================================================================
+
+# The documented config file, top to bottom: a (key, why) pair per TelemetryConfig field, or a comment line.
+# Kept beside the writer so the file exists wherever this module was copied; tests hold it to the dataclass.
+_CONFIG_DOC = (
+    ("enabled", "false: on_batch_end returns at once and nothing is written"),
+    ("collect_every_n", "collect at the first optimizer step at or after each batch_idx that is a multiple\n"
+                        "(TelemetryConfig() says 200, for long runs; 10 here, so a first run shows detail)"),
+    ("output_dir", "run directory, set here or by the script; {date} and {host} make one per run"),
+    "",
+    ("track_gradients", "gradient L2 norm, overall and per group (null if gradients were zeroed)"),
+    ("track_weight_delta", "L2 change of trainable weights since the last collection, via a file on disk"),
+    ("track_learning_rates", "current lr of every optimizer param group, after the scheduler stepped"),
+    ("track_holdout_logits", "predictions on the fixed holdout set given to set_holdout_data"),
+    ("track_activations", "dead ReLU / saturated sigmoid and tanh units, seen only in the holdout's forward"),
+    ("track_batch_stats", "label balance of the batch passed to on_batch_end"),
+    "",
+    ("holdout_size", "holdout examples (not batches) to keep"),
+    ("groups", "{name: [patterns]} to group parameters by name; null = optimizer groups"),
+    ("batch_label_key", "label key in dict batches; null = the first of " + ", ".join(LABEL_KEYS)),
+    ("strict", "true: raise metric errors instead of recording them under \"errors\""),
+    "",
+    "# LoRA and language models.",
+    ("track_lora", "with LoRA modules (peft/unsloth): the `lora` section and lora_A/lora_B/other groups"),
+    ("holdout_token_ids", "[ids]: LM holdout also logs these tokens' logits where each answer starts"),
+    "",
+    "# Training dynamics. `preset: minimal | default | comprehensive` (a key of its own) applies a preset",
+    "# first; the keys written here then override it.",
+    ("track_layer_stats", "per-layer gradient norm/mean/std/min/max, zero/NaN/Inf counts, weight norm"),
+    ("layer_stats_by", "layer (block index or module name) | group | tensor: the rows of layer_stats"),
+    ("track_update_ratio", "||dW||/||W|| (~1e-3 is healthy), drift ||W - W_0|| and ||W|| per group; cheap"),
+    ("track_param_change", "L1/L2/max/mean/std, sparsity and sign flips of the delta, per layer/component"),
+    ("param_change_thresholds", "|dW| <= t counts as unchanged"),
+    ("param_change_rel_thresholds", "|dW| <= t * |W|: scale-free (bf16-safe) sparsity"),
+    ("track_sparse_quality", "holdout outputs with only |dW| > t applied vs the full update (costly)"),
+    ("sparse_quality_thresholds", "the t of sparse_quality, one entry each"),
+    ("track_system", "step time, examples/tokens per second, RSS, CUDA memory, GPU utilisation"),
+    ("alerts", "loss/gradient spikes, NaN/Inf, LR 0, frozen groups: logged once when they start"),
+    ("alert_window", "records in the rolling median/MAD window that spikes are judged against"),
+    ("alert_spike_threshold", "robust z-score (MADs above the rolling median) that makes a spike"),
+    ("alert_explosion_factor", "a gradient spike this many times its rolling median: a gradient explosion"),
+    "",
+    "# Mirrors: each record's numbers also go to the active wandb run and/or a TensorBoard SummaryWriter in",
+    "# output_dir/tb (keys like telemetry/gradient_norm/head). telemetry.jsonl stays the source of truth.",
+    ("mirror", "[wandb, tensorboard]"),
+)
+# Where the written file differs from TelemetryConfig() on purpose (its comment says why).
+CONFIG_FILE_OVERRIDES = {"collect_every_n": 10}
+_CONFIG_HEADER = """\
+# Telemetry config: every key of TelemetryConfig, each with what it does.
+# Written by `python telemetry.py --write-config telemetry.yaml`; read (with pyyaml) by
+# TelemetryConfig.from_yaml("telemetry.yaml", output_dir="runs/exp1"), where keyword arguments win.
+# An unknown key is an error that names it (and suggests the closest valid key).
+telemetry:
+"""
+_YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "none", "~"}
+
+
+def yaml_value(value: Any) -> str:
+    """One config value as YAML flow text, without a YAML library. Floats always carry a '.' and a signed
+    exponent, as YAML 1.1 readers (pyyaml) otherwise read 1e-08 as a string."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _yaml_float(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{yaml_value(str(k))}: {yaml_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    plain = text.replace("_", "a").replace("-", "a").replace(".", "a").isalnum() and text[0].isalpha()
+    return text if plain and text.lower() not in _YAML_WORDS else json.dumps(text)
+
+
+def _yaml_float(value: float) -> str:
+    # Small thresholds read best as 1.0e-4: the shortest mantissa that still gives the same float back.
+    if value == 0 or abs(value) >= 0.1:
+        text = repr(value)
+    else:
+        text = next(t for p in range(1, 18) if float(t := f"{value:.{p}e}") == value)
+        text = text.rstrip("0").replace(".e", ".0e")
+    mantissa, _, exponent = text.partition("e")
+    mantissa += "" if "." in mantissa else ".0"
+    return mantissa + (f"e{int(exponent):+d}" if exponent else "")
+
+
+def default_config_yaml() -> str:
+    """The text of the documented default config file (the shipped telemetry.yaml is exactly this)."""
+    config = TelemetryConfig(**CONFIG_FILE_OVERRIDES)
+    lines = [_CONFIG_HEADER.rstrip("\n")]
+    for entry in _CONFIG_DOC:
+        if isinstance(entry, str):
+            lines.append(f"  {entry}".rstrip())
+            continue
+        key, why = entry
+        setting = f"  {key}: {yaml_value(getattr(config, key))}"
+        first, *more = why.split("\n")
+        lines.append(f"{setting.ljust(30)}{'  ' if len(setting) >= 30 else ''}# {first}")
+        lines.extend(" " * 30 + f"# {line}" for line in more)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`python telemetry.py --write-config PATH`: the config file, for a project that copied this file alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python telemetry.py", description=main.__doc__.split(":", 1)[1])
+    parser.add_argument("--write-config", metavar="PATH", required=True,
+                        help="write the documented default config to PATH ('-': standard output)")
+    parser.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    args = parser.parse_args(argv)
+    text = default_config_yaml()
+    if args.write_config == "-":
+        sys.stdout.write(text)
+        return 0
+    if os.path.exists(args.write_config) and not args.force:
+        print(f"telemetry.py: {args.write_config} exists; --force replaces it", file=sys.stderr)
+        return 1
+    with open(args.write_config, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {args.write_config}; load it with TelemetryConfig.from_yaml({json.dumps(args.write_config)}, "
+          "output_dir=\"runs/exp1\") (needs pyyaml)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
