@@ -681,25 +681,49 @@ def _has_nonfinite(node: Any) -> bool:
     return False
 
 
-def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry") -> Dict[str, float]:
-    """A record's numbers under mirror keys: {"telemetry/gradient_norm/head": 0.5, ...}.
+# What the mirrors leave out of a record: a dashboard wants one curve per section and group. Bookkeeping
+# (the step is the mirrors' x axis), rows per layer (telemetry.jsonl and the analyzer's heatmaps keep them)
+# and counts are no curves; a batch's class balance goes out as shares (see batch_shares).
+_MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "reference_step",
+                    "layer_stats", "grad_profile", "activations", "param_change/per_layer",
+                    "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
+                    "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
+                    "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels")
+
+
+def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry", classes: Any = ()) -> Dict[str, float]:
+    """A record's numbers under mirror keys, one per section and group: {"telemetry/gradient_norm/head": 0.5}.
 
     Nested keys are joined by "/"; lists (predictions, alerts), strings, bools and nulls are left out, and
-    so are schema/step/batch_idx/timestamp (the step is the mirrors' x axis).
+    so is _MIRROR_LEFT_OUT. Batch balance is `batch_share/<class>` (see batch_shares), for the classes of
+    this batch and `classes`, those seen earlier in the run.
     """
     out: Dict[str, float] = {}
 
     def walk(node, path):
+        if any(fnmatch.fnmatchcase(path, pattern) for pattern in _MIRROR_LEFT_OUT):
+            return
         if isinstance(node, dict):
             for key, value in node.items():
-                walk(value, f"{path}/{key}")
+                walk(value, f"{path}/{key}" if path else str(key))
         elif isinstance(node, (int, float)) and not isinstance(node, bool):
-            out[path] = float(node)
+            out[f"{prefix}/{path}"] = float(node)
 
-    for key, value in record.items():
-        if key not in ("schema", "step", "batch_idx", "timestamp"):
-            walk(value, f"{prefix}/{key}")
+    walk(record, "")
+    stats = record.get("batch_stats")
+    out.update((f"{prefix}/batch_share/{c}", v) for c, v in batch_shares(stats, classes).items())
     return out
+
+
+def batch_shares(stats: Any, classes: Any = ()) -> Dict[str, float]:
+    """{class: share of the batch} from a batch_stats section's counts, with 0 for each of `classes` the
+    batch lacks: a class seen once keeps a value (its curve no gap) at every later record."""
+    counts = stats.get("counts") if isinstance(stats, dict) else None
+    counts = counts if isinstance(counts, dict) else {}
+    total = sum(c for c in counts.values() if isinstance(c, (int, float))) or 1
+    shares = {str(c): 0.0 for c in classes}
+    shares.update((str(c), n / total) for c, n in counts.items() if isinstance(n, (int, float)))
+    return shares
 
 
 def _json_default(value: Any) -> Any:
@@ -1736,6 +1760,7 @@ class _Mirrors:
         self.off: set = set()
         self.wandb_run: Any = None
         self.tb: Any = None
+        self.classes: Dict[str, None] = {}  # every batch class seen so far, in order: sent at 0 when absent
 
     def send(self, record: Dict[str, Any]) -> None:
         flat = None
@@ -1743,7 +1768,9 @@ class _Mirrors:
             if name in self.off:
                 continue
             try:
-                flat = flatten_scalars(record) if flat is None else flat
+                if flat is None:
+                    self.classes.update(dict.fromkeys(batch_shares(record.get("batch_stats"))))
+                    flat = flatten_scalars(record, classes=self.classes)
                 (self._wandb if name == "wandb" else self._tensorboard)(flat, record["step"])
             except Exception as exc:
                 if self.strict:
