@@ -2164,11 +2164,27 @@ class _RunFiles:
             return None
 
     def close(self) -> None:
-        """Write what is held and let go of the files. Never raises for I/O: the run is over either way."""
+        """Write what is held, mark the end of this start in run.json and let go of the files. Never raises
+        for I/O: the run is over either way.
+
+        run.json's `ends` is aligned with `starts`: ends[k] is when start k closed, null while it runs or
+        when it never closed (a crash). A restart appends to `starts` only, so the run is open again until
+        it closes; `analyze_telemetry.py --watch` stops when the last start has its end."""
         try:
             self.release()
         except OSError as exc:  # strict, and the disk failed
             self.warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}) while closing")
+        starts, ends = self.info.get("starts") or [], self.info.get("ends")
+        ends = list(ends) if isinstance(ends, list) else []
+        # Not for a start that abandon() took back, nor twice, nor once writing has failed.
+        if self.start_index < len(starts) and not self.stopped and not self.skip and (
+                len(ends) <= self.start_index or ends[self.start_index] is None):
+            ends = (ends + [None] * len(starts))[:len(starts)]
+            ends[self.start_index] = datetime.datetime.now().isoformat()
+            try:
+                self.update_info(ends=ends)
+            except OSError as exc:  # strict, and the disk failed
+                self.warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}) while closing")
         if self.fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
