@@ -3,9 +3,17 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The interpreter's own pip installs into the venv (--python, pip >= 22.3): bootstrapping a pip inside the
+# venv would take as long as the demo's training. Without such a pip, the venv gets one of its own.
+ifeq ($(shell $(PYTHON) -m pip --python $(PYTHON) --version >/dev/null 2>&1 && echo yes),yes)
+VENV_FLAGS := --without-pip
+PIP := $(PYTHON) -m pip --python $(BIN)/python install -q --no-compile
+else
 PIP := $(BIN)/python -m pip install -q --no-compile
+endif
 DEMO_READY := $(VENV)/.demo-installed
 DEV_READY := $(VENV)/.dev-installed
+DEMO_PACKAGES := "pyyaml>=6" "numpy>=1.24" "matplotlib>=3.7"
 BENCH_ARGS ?=
 
 # Packages go in without precompiling (compiling all of torch takes longer than the whole demo); a module is
@@ -17,14 +25,14 @@ unexport PYTHONDONTWRITEBYTECODE
 setup: $(DEMO_READY)
 
 $(BIN)/python:
-	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) -m venv --system-site-packages $(VENV_FLAGS) $(VENV)
 
-# The demo needs torch, numpy, matplotlib and pyyaml, the package's dependencies, and nothing else. torch goes
-# in first and pinned: pip would otherwise resolve it to a multi-GB CUDA build. A torch that is already
-# importable (system site-packages) is kept.
+# The demo needs torch, numpy, matplotlib and pyyaml, the package's dependencies, and nothing else. torch is
+# pinned, in the same command: pip would otherwise resolve it to a multi-GB CUDA build. A torch that is
+# already importable (system site-packages) is kept.
 $(DEMO_READY): pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
-	$(PIP) "pyyaml>=6" "numpy>=1.24" "matplotlib>=3.7"
+	if $(BIN)/python -c "import torch" 2>/dev/null; then $(PIP) $(DEMO_PACKAGES); \
+	else $(PIP) torch==2.13.0 $(DEMO_PACKAGES); fi
 	@$(BIN)/python -c "import torch; print('torch', torch.__version__)"
 	touch $@
 
