@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The interpreter's own pip installs into the venv (--python, pip >= 22.3): bootstrapping a pip inside the
 # venv would take as long as the demo's training. Without such a pip, the venv gets one of its own.
-ifeq ($(shell $(PYTHON) -m pip --python $(PYTHON) --version >/dev/null 2>&1 && echo yes),yes)
+ifeq ($(shell $(PYTHON) -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (22, 3))" \
+	2>/dev/null && echo yes),yes)
 VENV_FLAGS := --without-pip
 PIP := $(PYTHON) -m pip --python $(BIN)/python install -q --no-compile
 else
