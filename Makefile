@@ -1,36 +1,62 @@
 # Two commands: `make demo` (set up, train the example with telemetry, analyze it) and `make test`.
+# `make bench` runs the side-by-side benchmark in venvs of its own under bench/ (see bench/README.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# The interpreter's own pip installs into the venv (--python, pip >= 22.3): bootstrapping a pip inside the
+# venv would take as long as the demo's training. Without such a pip, the venv gets one of its own.
+ifeq ($(shell $(PYTHON) -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (22, 3))" \
+	2>/dev/null && echo yes),yes)
+VENV_FLAGS := --without-pip
+PIP := $(PYTHON) -m pip --python $(BIN)/python install -q --no-compile
+else
+PIP := $(BIN)/python -m pip install -q --no-compile
+endif
+DEMO_READY := $(VENV)/.demo-installed
+DEV_READY := $(VENV)/.dev-installed
+DEMO_PACKAGES := "pyyaml>=6" "numpy>=1.24" "matplotlib>=3.7"
+BENCH_ARGS ?=
+
+# Packages go in without precompiling (compiling all of torch takes longer than the whole demo); a module is
+# compiled the first time it is imported instead, so bytecode writing stays on for these commands.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup demo test bench clean
 
-setup: $(STAMP)
+setup: $(DEMO_READY)
 
-# torch goes in first: pip would otherwise resolve `torch>=2.4` to a multi-GB CUDA build. A torch that is
+$(BIN)/python:
+	$(PYTHON) -m venv --system-site-packages $(VENV_FLAGS) $(VENV)
+
+# The demo needs torch, numpy, matplotlib and pyyaml, the package's dependencies, and nothing else. torch is
+# pinned, in the same command: pip would otherwise resolve it to a multi-GB CUDA build. A torch that is
 # already importable (system site-packages) is kept.
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+$(DEMO_READY): pyproject.toml | $(BIN)/python
+	if $(BIN)/python -c "import torch" 2>/dev/null; then $(PIP) $(DEMO_PACKAGES); \
+	else $(PIP) torch==2.13.0 $(DEMO_PACKAGES); fi
 	@$(BIN)/python -c "import torch; print('torch', torch.__version__)"
-	touch $(STAMP)
+	touch $@
 
-demo: setup
-	$(BIN)/python example_train.py --scenario healthy --out runs/healthy
-	$(BIN)/python example_train.py --scenario overfit --out runs/overfit
-	@if [ -f analyze_telemetry.py ]; then \
-		$(BIN)/python analyze_telemetry.py runs/healthy; \
-		$(BIN)/python analyze_telemetry.py runs/overfit; \
-	fi
+# The tests also need the integrations (transformers, peft, Lightning, wandb, TensorBoard): the dev extras.
+$(DEV_READY): pyproject.toml $(DEMO_READY)
+	$(PIP) -e '.[dev]'
+	touch $@
 
-test: setup
+# The example's models are tiny: one thread trains them faster than a pool whose threads wait on busy cores.
+demo: $(DEMO_READY)
+	OMP_NUM_THREADS=1 $(BIN)/python example_train.py --scenario healthy --out runs/healthy
+	OMP_NUM_THREADS=1 $(BIN)/python example_train.py --scenario overfit --out runs/overfit
+	$(BIN)/python analyze_telemetry.py runs/healthy
+	$(BIN)/python analyze_telemetry.py runs/overfit
+
+test: $(DEV_READY)
 	$(BIN)/python -m pytest -q
 
-bench: setup
-	$(BIN)/python bench/collection_cost.py
+# Full run ~30 min on 2 cores; `make bench BENCH_ARGS=--quick` is the smoke run.
+bench:
+	bench/setup.sh
+	BENCH_COCKPIT_PYTHON=$(CURDIR)/bench/.venv-cockpit/bin/python BENCH_ANALYZER_PYTHON=$(CURDIR)/bench/.venv/bin/python \
+		bench/.venv/bin/python bench/compare.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

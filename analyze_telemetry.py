@@ -9,9 +9,10 @@ by telemetry.py (the record format is the contract; this reader does not import 
     python analyze_telemetry.py RUN_DIR --json          # summary and findings as JSON on stdout
     python analyze_telemetry.py RUN_DIR --check         # exit 1 when a finding is critical (CI smoke test)
     python analyze_telemetry.py RUN_DIR --csv run.csv   # one flat row per record
-    python analyze_telemetry.py RUN_DIR --watch         # follow a run while it trains (Ctrl-C to stop)
+    python analyze_telemetry.py RUN_DIR --watch         # follow a run while it trains; ends when it closes
 
-Plots and the report go to RUN_DIR/analysis/ (several runs: FIRST_RUN/analysis/compare/) or --out.
+Plots and the report go to RUN_DIR/analysis/ (several runs: FIRST_RUN/analysis/compare-A-vs-B/) or --out.
+Plots need matplotlib, everything else numpy: `pip install numpy matplotlib`.
 Pandas users: `from analyze_telemetry import to_dataframe; df = to_dataframe("runs/exp1")` (or a list of
 run directories: one frame, a `run` column tells them apart).
 
@@ -28,9 +29,13 @@ import base64
 import contextlib
 import csv
 import gc
+import hashlib
 import html
+import io
 import json
 import math
+import os
+import re
 import sys
 import time
 import warnings
@@ -38,7 +43,24 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
+INSTALL_HINT = "pip install numpy matplotlib"
+
+
+class _Missing:
+    """Stands in for a package that is not installed: its first use raises an ImportError that says how
+    to install it (main() checks first and says it in one line)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attr):
+        raise ImportError(f"analyze_telemetry needs {self.name}: {INSTALL_HINT}")
+
+
+try:
+    import numpy as np
+except ImportError:
+    np = _Missing("numpy")
 
 SCHEMA_VERSION = 1
 NOT_IN_OPTIMIZER = "not_in_optimizer"   # telemetry.py's group for trainable tensors outside the optimizer
@@ -2347,11 +2369,41 @@ def _auto_log(ax, arrays, axis="y"):
         (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
 
 
+def _floor_span(ax, arrays, share=0.1):
+    """Give the y axis a span of at least `share` of the values' size: an RSS that moves by 1 MB in 300 MB
+    reads as flat, not as noise blown up to the panel's height. Non-negative series keep 0 as their floor."""
+    vals = np.concatenate([_finite(np.asarray(a, dtype=float)) for a in arrays] or [np.array([])])
+    if not len(vals):
+        return
+    lo, hi = float(vals.min()), float(vals.max())
+    need = share * max(abs(lo), abs(hi))
+    if need > 0 and hi - lo < need:
+        bottom = (lo + hi - need) / 2
+        bottom = max(bottom, 0.0) if lo >= 0 else bottom
+        ax.set_ylim(bottom - 0.05 * need, bottom + need * 1.05)
+
+
 def _save(fig, path, title):
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)   # the same data draws the same bytes: unchanged files stay as they are
     _pyplot().close(fig)
+    write_if_changed(Path(path), png.getvalue())
+
+
+def write_if_changed(path: Path, data: bytes) -> bool:
+    """Write `data` unless `path` holds exactly that already (a watched run's plots are not rewritten for
+    nothing), through a temporary file so that a browser never reads half of it. True when written."""
+    try:
+        if path.read_bytes() == data:
+            return False
+    except OSError:
+        pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return True
 
 
 def _finish(fig, ax_list, path, title):
@@ -2371,24 +2423,51 @@ def _finish_steps(fig, ax, path, title, ylabel, unit=False):
     _finish(fig, [ax], path, title)
 
 
-def _group_lines(runs, path, section, title, ylabel, guide=None):
-    plt = _pyplot()
+MARKERS = "osD^v<>ph*"
+
+
+def _group_note(run, group) -> str:
+    """' (empty: ...)' for an optimizer group without trainable tensors (run.json groups, tensors 0)."""
+    info = (run.meta.get("groups") or {}).get(group)
+    if not isinstance(info, dict) or info.get("tensors") != 0:
+        return ""
+    frozen = info.get("frozen_tensors")
+    if isinstance(frozen, int) and frozen:
+        return f" (empty: {frozen} frozen tensor{'s' if frozen != 1 else ''})"
+    return " (empty: no tensors)"
+
+
+def _group_series(runs, section):
+    """(run index, group index, run, group, steps, values) of every group with a finite value; overall last,
+    so that it is drawn on top of the group it equals (the learning rate's overall is the largest group's)."""
     series = []
     for ri, run in enumerate(runs):
-        groups = _groups(run, section)
-        keys = (["overall"] if has_values(run, (section, "overall")) else []) + groups
+        keys = _groups(run, section) + (["overall"] if has_values(run, (section, "overall")) else [])
         for gi, g in enumerate(keys):
             y = column(run, (section, g))
             ok = np.isfinite(y)
             if ok.any():
                 series.append((ri, gi, run, g, steps(run)[ok], y[ok]))
+    return series
+
+
+def _group_lines(runs, path, section, title, ylabel, guide=None):
+    plt = _pyplot()
+    series = _group_series(runs, section)
     if not series:
         return f"no {section} values in any record"
     fig, ax = plt.subplots(figsize=(10, 4.5))
+    groups_of = {ri: sum(g != "overall" for r, _, _, g, *_ in series if r == ri) for ri in range(len(runs))}
     for ri, gi, run, g, x, y in series:
-        ax.plot(x, y, LINESTYLES[ri % 4], color="black" if g == "overall" else f"C{gi % 10}",
-                lw=1.6 if g == "overall" else 1.1, alpha=0.9, label=_label(runs, run, g),
-                marker="." if len(x) < 30 else None)
+        if g == "overall":   # dashed and on top: a group with the same values still shows between the dashes
+            ax.plot(x, y, linestyle=(0, (4, 3)) if len(runs) == 1 else LINESTYLES[ri % 4], color="black", lw=1.4,
+                    zorder=3, label=_label(runs, run, "overall"))
+            continue
+        # Hollow markers of their own shape, spread along x: groups with equal values all stay visible.
+        every = max(groups_of[ri], len(x) // 15)   # at least one step per group: each gets its own offset
+        ax.plot(x, y, LINESTYLES[ri % 4], color=f"C{gi % 10}", lw=1.1, alpha=0.9,
+                marker=MARKERS[gi % len(MARKERS)], mfc="none", ms=5,
+                markevery=(gi * every // max(groups_of[ri], 1), every), label=_label(runs, run, g + _group_note(run, g)))
     _auto_log(ax, [y for *_, y in series])
     if guide is not None:
         ax.axhline(guide[0], color="grey", ls="--", lw=1, label=guide[1])
@@ -2431,10 +2510,10 @@ def plot_loss(runs, path):
             x, v = steps(run)[ok], y[ok]
             ax.plot(x, v, LINESTYLES[ri % 4], color="C0" if len(runs) == 1 else f"C{ri}", lw=0.7, alpha=0.45,
                     label=_label(runs, run, "train loss (per batch)"))
-            if len(v) >= 9:
-                w = max(3, min(51, len(v) // 20 * 2 + 1))
-                sm = np.median(np.lib.stride_tricks.sliding_window_view(v, w), axis=1)
-                ax.plot(x[w // 2: w // 2 + len(sm)], sm, LINESTYLES[ri % 4],
+            rolled = _rolling(v, np.median)
+            if rolled:
+                off, sm, w = rolled
+                ax.plot(x[off: off + len(sm)], sm, LINESTYLES[ri % 4],
                         color="C0" if len(runs) == 1 else f"C{ri}", lw=1.8,
                         label=_label(runs, run, f"train loss (rolling median of {w})"))
             arrays.append(v)
@@ -2480,37 +2559,89 @@ def plot_accuracy(runs, path):
     return None
 
 
+HEATMAP_CLASSES = 5   # above this many classes, batch shares are a heatmap: ten lines are a tangle
+
+
+def _rolling(y: np.ndarray, fn):
+    """(offset, rolling fn over an odd window of about 1/20 of the series, window) or None below 9 points."""
+    if len(y) < 9:
+        return None
+    w = max(3, min(51, len(y) // 20 * 2 + 1))
+    return w // 2, fn(np.lib.stride_tricks.sliding_window_view(y, w), axis=1), w
+
+
+def _balance_lines(ax, runs, ri, run, bc):
+    names, m, sizes, st = bc
+    shares = m / np.maximum(sizes[:, None], 1)
+    for ci, c in enumerate(names):
+        y = shares[:, ci]
+        rolled = _rolling(y, np.mean)
+        ax.plot(st, y, LINESTYLES[ri % 4], color=f"C{ci}", lw=0.6, alpha=0.35 if rolled else 1.0,
+                label=None if rolled else _label(runs, run, f"class {c}"))
+        if rolled:
+            off, sm, w = rolled
+            ax.plot(st[off: off + len(sm)], sm, LINESTYLES[ri % 4], color=f"C{ci}", lw=1.8,
+                    label=_label(runs, run, f"class {c} (rolling mean of {w})"))
+    if ri == 0:
+        ax.axhline(1.0 / len(names), color="grey", ls="--", lw=1, label=f"balanced 1/{len(names)}")
+
+
+def _balance_heatmap(fig, ax, runs, run, bc):
+    from matplotlib.colors import TwoSlopeNorm
+    names, m, sizes, st = bc
+    shares = (m / np.maximum(sizes[:, None], 1)).T
+    cols = _heat_columns(shares)
+    fair = 1.0 / len(names)
+    # White is a fair share; red more, blue less: an over-represented class stands out whatever the count.
+    norm = TwoSlopeNorm(vcenter=fair, vmin=0.0, vmax=max(float(shares.max()), fair * 1.001))
+    im = ax.imshow(shares[:, cols], aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
+                   extent=(st[cols][0], st[cols][-1], len(names) - 0.5, -0.5))
+    fig.colorbar(im, ax=ax, label=f"share of batch (white: 1/{len(names)})")
+    if len(names) <= 40:
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels([_escaped(n[:20]) for n in names], fontsize=7)
+    ax.set_ylabel("class")
+    ax.set_title(_label(runs, run, f"{len(names)} classes"), fontsize=10)
+
+
+def _lm_balance_lines(ax, runs, ri, run):
+    for y, what, ci in ((column(run, "batch_stats.label_share"), "label share (tokens with labels)", 0),
+                        (column(run, "batch_stats.padding_share"), "padding share", 1)):
+        ok = np.isfinite(y)
+        if ok.any():
+            ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ci}", label=_label(runs, run, what))
+
+
+def _balance_panel(ax, runs, ri, run, bc):
+    if bc:
+        _balance_lines(ax, runs, ri, run, bc)
+    else:   # a language model's batches: supervised and padding shares of the tokens
+        _lm_balance_lines(ax, runs, ri, run)
+
+
 def plot_batch_balance(runs, path):
     plt = _pyplot()
     items = [(run, _batch_counts(run)) for run in runs]
-    lm = [(run, column(run, "batch_stats.label_share"), column(run, "batch_stats.padding_share")) for run in runs]
-    if not any(bc for _, bc in items) and not any(np.isfinite(a).any() or np.isfinite(b).any() for _, a, b in lm):
+    lm = [has_values(run, "batch_stats.label_share") or has_values(run, "batch_stats.padding_share") for run in runs]
+    if not any(bc for _, bc in items) and not any(lm):
         return "no batch_stats in any record"
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for ri, (run, bc) in enumerate(items):
-        if bc:
-            names, m, sizes, st = bc
-            shares = m / np.maximum(sizes[:, None], 1)
-            for ci, c in enumerate(names[:10]):
-                y = shares[:, ci]
-                ax.plot(st, y, LINESTYLES[ri % 4], color=f"C{ci}", lw=0.6, alpha=0.35)
-                if len(y) >= 9:
-                    w = max(3, min(51, len(y) // 20 * 2 + 1))
-                    sm = np.convolve(y, np.ones(w) / w, mode="valid")
-                    ax.plot(st[w // 2: w // 2 + len(sm)], sm, LINESTYLES[ri % 4], color=f"C{ci}", lw=1.8,
-                            label=_label(runs, run, f"class {c} (rolling mean of {w})"))
-                else:
-                    ax.lines[-1].set_alpha(1.0)
-                    ax.lines[-1].set_label(_label(runs, run, f"class {c}"))
-            if ri == 0:
-                ax.axhline(1.0 / len(names), color="grey", ls="--", lw=1, label=f"balanced 1/{len(names)}")
+    if not any(bc and len(bc[0]) > HEATMAP_CLASSES for _, bc in items):   # few classes: lines on one panel
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        for ri, (run, bc) in enumerate(items):
+            _balance_panel(ax, runs, ri, run, bc)
+        _finish_steps(fig, ax, path, "Batch balance over time", "share of batch", unit=True)
+        return None
+    items = [(ri, run, bc) for ri, (run, bc) in enumerate(items) if bc or lm[ri]][:4]
+    fig, axes = plt.subplots(len(items), 1, figsize=(10, 1.5 + 3.5 * len(items)), squeeze=False)
+    for ax, (ri, run, bc) in zip(axes[:, 0], items):
+        if bc and len(bc[0]) > HEATMAP_CLASSES:
+            _balance_heatmap(fig, ax, runs, run, bc)
         else:
-            _, a, b = lm[ri]
-            for y, what, ci in ((a, "label share (tokens with labels)", 0), (b, "padding share", 1)):
-                ok = np.isfinite(y)
-                if ok.any():
-                    ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ci}", label=_label(runs, run, what))
-    _finish_steps(fig, ax, path, "Batch balance over time", "share of batch", unit=True)
+            _balance_panel(ax, runs, ri, run, bc)
+            ax.set_ylim(-0.02, 1.02)
+            ax.legend(fontsize=8, loc="best")
+        ax.set_xlabel("step")
+    _save(fig, path, "Batch balance over time")
     return None
 
 
@@ -2621,8 +2752,7 @@ def plot_layer_heatmap(runs, path):
         img = np.where(np.isfinite(mat) & (mat > 0), mat, np.nan)[:, cols]
         pos = _finite(img)
         norm = LogNorm(vmin=pos.min(), vmax=max(pos.max(), pos.min() * 1.0001)) if len(pos) else None
-        cmap = plt.get_cmap("magma").copy()
-        cmap.set_bad("#d9d9d9")   # zero/absent gradients stand out as grey instead of blending in
+        cmap = plt.get_cmap("magma").with_extremes(bad="#d9d9d9")   # zero/absent gradients show grey
         im = ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
                        extent=(st[0], st[-1], len(layers) - 0.5, -0.5))
         fig.colorbar(im, ax=ax, label="gradient norm (log)")
@@ -2721,12 +2851,15 @@ def plot_system(runs, path):
     axes = []
     for i, k in enumerate(keys):
         ax = fig.add_subplot(nrows, ncols, i + 1)   # only as many axes as metrics: no empty panels
+        arrays = []
         for ri, run in enumerate(runs):
             y = column(run, ("system", k))
             ok = np.isfinite(y)
             if ok.any():
                 ax.plot(steps(run)[ok], y[ok], LINESTYLES[ri % 4], color=f"C{ri}", label=_label(runs, run, k)
                         if len(runs) > 1 else None)
+                arrays.append(y[ok])
+        _floor_span(ax, arrays)
         ax.set_title(_escaped(k), fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(_escaped(k))
@@ -2735,19 +2868,58 @@ def plot_system(runs, path):
     return None
 
 
+# Every plot: its file, the function that draws it, what turns its data on when a run has none, and how to
+# read it (the report prints that line under the image).
+PLOTS = (
+    ("loss.png", plot_loss, "loss= in on_batch_end",
+     "Faint: the train loss of each collected batch; bold: its rolling median; red dots: the holdout loss. "
+     "Holdout loss rising while train loss falls is overfitting."),
+    ("accuracy.png", plot_accuracy, "set_holdout_data, or train_acc= in on_batch_end",
+     "Holdout accuracy (dots) against chance (dashed) and its 2-sigma noise band (grey); faint: train accuracy. "
+     "Holdout inside the band while train accuracy climbs is memorisation."),
+    ("gradient_norm.png", plot_gradient_norm, "track_gradients: true",
+     "Gradient L2 norm per group; black dashed: overall, their root-sum-square. A group at zero gets no "
+     "gradient; steady growth or 10x jumps are explosions, a slide towards zero vanishing gradients."),
+    ("weight_delta.png", plot_weight_delta, "track_weight_delta: true",
+     "How far each group's weights moved between two collections. A group flat at zero does not train "
+     "(learning rate 0, frozen, or outside the optimizer)."),
+    ("learning_rate.png", plot_learning_rate, "track_learning_rates: true",
+     "Each group's learning rate after the scheduler; black dashed: overall, the largest. Groups with equal "
+     "rates overlap: their markers sit at different steps."),
+    ("batch_balance.png", plot_batch_balance, "track_batch_stats: true, batch= in on_batch_end",
+     f"The share of each class in the collected batches; dashed: a fair share. Above {HEATMAP_CLASSES} classes "
+     "a heatmap: white is a fair share, red more, blue less."),
+    ("holdout_heatmap.png", plot_holdout_heatmap, "set_holdout_data",
+     "One row per holdout example over time, green right and red wrong (language models: token accuracy; "
+     "regression: absolute error). Rows that turn red after green were forgotten."),
+    ("update_ratio.png", plot_update_ratio, "track_update_ratio: true",
+     "||dW|| / ||W|| per group and collection: about 1e-3 (dashed) is typical; far below, the group barely "
+     "learns; far above, its steps are too large."),
+    ("layer_grad_heatmap.png", plot_layer_heatmap, "track_layer_stats: true",
+     "Gradient norm per layer (rows) over time on a log colour scale; grey is zero or absent. Layers that "
+     "stay dark get almost no gradient."),
+    ("lora.png", plot_lora, "a model with LoRA adapters",
+     "LoRA adapters: the norm of s*B*A, its change per collection, the gradient norms of A and B, and the "
+     "share of B still exactly 0 (staying at 1: the adapters never learned)."),
+    ("param_change_sparsity.png", plot_sparsity, "track_param_change: true",
+     "The share of weights whose change since the last collection is under each threshold (solid: "
+     "absolute, dashed: relative to |W|)."),
+    ("sparse_quality.png", plot_sparse_quality, "track_sparse_quality: true",
+     "Holdout outputs with only the changes above each threshold applied, against the full update "
+     "(solid), next to a random mask that keeps as many (dashed)."),
+    ("system.png", plot_system, "track_system: true",
+     "Step time, throughput, memory and telemetry's share of the wall time. Each y axis spans at least 10% "
+     "of its values, so a flat series reads flat."),
+)
+PLOT_HELP = {name: help_line for name, _, _, help_line in PLOTS}
+
+
 def make_plots(runs, out_dir: Path):
-    """Write every plot that has data; returns ([written paths], [(name, why skipped)])."""
+    """Write every plot that has data; returns ([written paths], [(name, why skipped)]). A file whose
+    drawing did not change is left untouched."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written, skipped = [], []
-    plots = (
-        ("loss.png", plot_loss), ("accuracy.png", plot_accuracy), ("gradient_norm.png", plot_gradient_norm),
-        ("weight_delta.png", plot_weight_delta), ("learning_rate.png", plot_learning_rate),
-        ("batch_balance.png", plot_batch_balance), ("holdout_heatmap.png", plot_holdout_heatmap),
-        ("update_ratio.png", plot_update_ratio), ("layer_grad_heatmap.png", plot_layer_heatmap),
-        ("lora.png", plot_lora), ("param_change_sparsity.png", plot_sparsity),
-        ("sparse_quality.png", plot_sparse_quality), ("system.png", plot_system),
-    )
-    for name, fn in plots:
+    for name, fn, switch, _ in PLOTS:
         path = out_dir / name
         try:
             why = fn(runs, path)
@@ -2757,10 +2929,18 @@ def make_plots(runs, out_dir: Path):
         if why is None:
             written.append(path)
         else:
-            skipped.append((name, why))
+            # Data that is simply absent: name the switch or call that records it.
+            skipped.append((name, f"{why}; to draw it: {switch}" if why.startswith("no ") else why))
             if path.exists():
                 path.unlink()   # a stale chart from an earlier analysis would mislead
     return written, skipped
+
+
+def skipped_line(skipped) -> str:
+    """The skipped plots in one line: what would enable each (or why it cannot be drawn)."""
+    parts = [f"{name[:-4] if name.endswith('.png') else name} "
+             f"({why.split('; to draw it: ', 1)[1] if '; to draw it: ' in why else why})" for name, why in skipped]
+    return f"skipped {len(skipped)} plot{'s' if len(skipped) != 1 else ''}: " + ", ".join(parts)
 
 
 # ---- Report -----------------------------------------------------------------------------------------
@@ -2863,54 +3043,161 @@ def findings_json(results) -> dict:
 
 
 REPORT_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1150px}
-h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:28px}
-table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;text-align:right}
-th:first-child,td:first-child{text-align:left}.f{margin:8px 0;padding:8px 12px;border-left:6px solid #999;
-background:#f7f7f7}.critical{border-color:#c0392b;background:#fdecea}.warning{border-color:#e67e22;
-background:#fff4e5}.info{border-color:#2e86c1;background:#eef6fc}.sev{font-weight:bold;text-transform:uppercase}
-.hint{color:#555;font-size:13px;margin-top:4px}figure{margin:16px 0}img{max-width:100%;border:1px solid #eee}
-figcaption{font-size:13px;color:#555}.notice{color:#7a5c00;font-size:13px}.ok{color:#1e8449;font-weight:bold}
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:16px 24px;color:#222}
+h1{font-size:22px;margin:4px 0}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:24px}
+h3{font-size:15px;margin:12px 0 6px}.sub{color:#555;font-size:13px;margin:2px 0 8px}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
+th:first-child,td:first-child{text-align:left}th{background:#f4f4f4}
+.cols{display:grid;grid-template-columns:repeat(auto-fit,minmax(480px,1fr));gap:8px 32px;align-items:start}
+.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:20px}
+figure{margin:0}img{width:100%;height:auto;border:1px solid #eee}
+figcaption{font-size:13px;color:#444;margin-top:4px}figcaption b{color:#222}
+.f{margin:6px 0;padding:6px 10px;border-left:6px solid #999;background:#f7f7f7;font-size:14px}
+.critical{border-color:#c0392b;background:#fdecea}.warning{border-color:#e67e22;background:#fff4e5}
+.info{border-color:#2e86c1;background:#eef6fc}.sev{font-weight:bold;text-transform:uppercase}
+.hint{color:#555;font-size:13px;margin-top:3px}.notice{color:#7a5c00;font-size:13px}
+.ok{color:#1e8449;font-weight:bold}.noted td{background:#fff4e5}.live{background:#eef6fc;padding:4px 10px}
+.cfg{columns:3 240px;font:12px ui-monospace,monospace;margin:4px 0}.cfg div{break-inside:avoid}
+details summary{cursor:pointer;font-size:13px;color:#333}
 """
 
 
-def write_report(results, written, skipped, out_dir: Path) -> Path:
-    """One self-contained HTML file: images are inlined as base64, nothing is fetched."""
+def write_report(results, written, skipped, out_dir: Path, refresh: float = None) -> Path:
+    """One self-contained HTML file: images are inlined as base64, nothing is fetched. `refresh` (seconds),
+    while --watch runs: the page reloads itself; the last report of a watch has none."""
     e = html.escape
     title = "Training telemetry: " + ", ".join(r.name for r, _, _ in results)
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>"
+    live = f"<meta http-equiv='refresh' content='{max(1, math.ceil(refresh))}'>" if refresh else ""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'>{live}<title>{e(title)}</title>"
              f"<style>{REPORT_CSS}</style></head><body><h1>{e(title)}</h1>",
-             f"<p>Generated {datetime.now().isoformat(timespec='seconds')} by analyze_telemetry.py.</p>"]
-    rows = comparison_rows([s for _, _, s in results])
-    parts.append("<h2>Summary</h2><table><tr><th></th>"
-                 + "".join(f"<th>{e(r.name)}</th>" for r, _, _ in results) + "</tr>")
-    for label, vals in rows:
-        parts.append(f"<tr><td>{e(label)}</td>" + "".join(f"<td>{e(v)}</td>" for v in vals) + "</tr>")
-    parts.append("</table>")
+             f"<p class='sub'>Generated {datetime.now().isoformat(timespec='seconds')} by analyze_telemetry.py."
+             + (f" <span class='live'>Live: reloads every {max(1, math.ceil(refresh))} s while --watch runs.</span>"
+                if refresh else "") + "</p>", "<div class='cols'><div>", _report_summary(results)]
     for run, findings, _ in results:
-        parts.append(f"<h2>Findings: {e(run.name)}</h2><p>{e(str(run.path))}</p>")
-        for n in run.notices:
-            parts.append(f"<p class='notice'>notice: {e(n)}</p>")
-        if not findings:
-            parts.append("<p class='ok'>No findings: nothing looks wrong.</p>")
-        for f in every_finding(findings):
-            where = ", ".join(str(s) for s in f.steps[:10])
-            parts.append(f"<div class='f {e(f.severity)}'><span class='sev'>{e(f.severity)}</span> "
-                         f"<code>{e(f.code)}</code> {e(f.message)}"
-                         + (f" <em>(steps {e(where)})</em>" if where else "")
-                         + f"<div class='hint'>Try: {e(f.hint)}</div></div>")
-    parts.append("<h2>Plots</h2>")
-    for path in written:
-        data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
-        parts.append(f"<figure><img alt='{e(path.stem)}' src='data:image/png;base64,{data}'>"
-                     f"<figcaption>{e(path.name)}</figcaption></figure>")
-    if skipped:
-        parts.append("<h2>Plots not drawn</h2><ul>"
-                     + "".join(f"<li>{e(n)}: {e(w)}</li>" for n, w in skipped) + "</ul>")
+        parts.append(_report_findings(run, findings))
+    parts.append("</div><div>")
+    parts.extend(_report_run(run) for run, _, _ in results)
+    parts.append("</div></div>")
+    parts.append(_report_plots(written, skipped))
     parts.append("</body></html>")
     path = out_dir / "report.html"
-    path.write_text("\n".join(parts), encoding="utf-8", errors="backslashreplace")
+    write_if_changed(path, "\n".join(parts).encode("utf-8", "backslashreplace"))
     return path
+
+
+def _report_summary(results) -> str:
+    e = html.escape
+    rows = comparison_rows([s for _, _, s in results])
+    out = ["<h2>Summary</h2><table><tr><th></th>" + "".join(f"<th>{e(r.name)}</th>" for r, _, _ in results) + "</tr>"]
+    out += [f"<tr><td>{e(label)}</td>" + "".join(f"<td>{e(v)}</td>" for v in vals) + "</tr>" for label, vals in rows]
+    return "".join(out) + "</table>"
+
+
+def _report_findings(run, findings) -> str:
+    e = html.escape
+    out = [f"<h2>Findings: {e(run.name)}</h2>"]
+    out += [f"<p class='notice'>notice: {e(n)}</p>" for n in run.notices]
+    if not findings:
+        out.append("<p class='ok'>No findings: nothing looks wrong.</p>")
+    for f in every_finding(findings):
+        where = ", ".join(str(s) for s in f.steps[:10])
+        out.append(f"<div class='f {e(f.severity)}'><span class='sev'>{e(f.severity)}</span> "
+                   f"<code>{e(f.code)}</code> {e(f.message)}" + (f" <em>(steps {e(where)})</em>" if where else "")
+                   + f"<div class='hint'>Try: {e(f.hint)}</div></div>")
+    return "".join(out)
+
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}   # run.json is read as found: a field may be damaged
+
+
+def run_facts(run) -> list:
+    """[(label, text)] about a run from its run.json: where, when, what was trained."""
+    m = run.meta
+    starts = [t for t in m.get("starts") or [] if isinstance(t, str)]
+    facts = [("directory", str(run.path))]
+    if starts:
+        facts.append(("started", starts[0] + (f" (+{len(starts) - 1} restart(s))" if len(starts) > 1 else "")))
+    ended = run_end(run)
+    facts.append(("ended", ended or "still running, or stopped without close()"))
+    params = _dict(m.get("parameters"))
+    if isinstance(params.get("total"), int):
+        trainable = params.get("trainable")
+        facts.append(("parameters", f"{params['total']:,} total, "
+                      + (f"{trainable:,} trainable" if isinstance(trainable, int) else "trainable unknown")))
+    for key, label in (("optimizer", "optimizer"), ("parallelism", "parallelism"), ("world_size", "world size"),
+                       ("torch_version", "torch")):
+        if isinstance(m.get(key), (str, int)) and not isinstance(m.get(key), bool):
+            facts.append((label, str(m[key])))
+    if isinstance(_dict(m.get("holdout")).get("examples"), int):
+        facts.append(("holdout", f"{m['holdout']['examples']} examples"))
+    return facts
+
+
+def run_end(run):
+    """When the run's last start closed (run.json's ends, aligned with starts), or None while it is open."""
+    starts, ends = run.meta.get("starts"), run.meta.get("ends")
+    if not isinstance(starts, list) or not starts or not isinstance(ends, list) or len(ends) < len(starts):
+        return None
+    last = ends[len(starts) - 1]
+    return last if isinstance(last, str) else None
+
+
+def _group_rows(run) -> list:
+    """(group, trainable tensors, elements, share of trainable, last lr, note) per group in run.json."""
+    groups = dict(_dict(run.meta.get("groups")))
+    if _dict(run.meta.get(NOT_IN_OPTIMIZER)):
+        groups[NOT_IN_OPTIMIZER] = run.meta[NOT_IN_OPTIMIZER]
+    trainable = _get(run.meta, ["parameters", "trainable"])
+    rows = []
+    for g, info in groups.items():
+        info = _dict(info)
+        tensors, elements = info.get("tensors"), info.get("elements")
+        share = elements / trainable if isinstance(elements, int) and isinstance(trainable, int) and trainable else None
+        lr = _finite(column(run, ("learning_rates", g)))
+        note = _group_note(run, g).strip(" ()")
+        if g == NOT_IN_OPTIMIZER:
+            note = "trainable, but in no optimizer group: never updated"
+        elif isinstance(info.get("frozen_tensors"), int) and info["frozen_tensors"] and tensors:
+            note = f"{info['frozen_tensors']} frozen tensor(s) too"
+        rows.append((g, tensors, elements, share, float(lr[-1]) if len(lr) else None, note))
+    return rows
+
+
+def _report_run(run) -> str:
+    e = html.escape
+    out = [f"<h2>Run: {e(run.name)}</h2><table>"]
+    out += [f"<tr><td>{e(k)}</td><td style='text-align:left'>{e(v)}</td></tr>" for k, v in run_facts(run)]
+    out.append("</table>")
+    rows = _group_rows(run)
+    if rows:
+        out.append("<h3>Groups</h3><table><tr><th>group</th><th>trainable tensors</th><th>elements</th>"
+                   "<th>share</th><th>lr, last</th><th>note</th></tr>")
+        for g, tensors, elements, share, lr, note in rows:
+            cells = [tensors, f"{elements:,}" if isinstance(elements, int) else elements,
+                     f"{share:.1%}" if share is not None else "", _fmt(lr) if lr is not None else "", note]
+            out.append(f"<tr class='{'noted' if note else ''}'><td>{e(str(g))}</td>"
+                       + "".join(f"<td>{e('' if c is None else str(c))}</td>" for c in cells) + "</tr>")
+        out.append("</table>")
+    config = _dict(run.meta.get("config"))
+    if config:
+        items = "".join(f"<div>{e(str(k))}: {e(json.dumps(v, default=str))}</div>" for k, v in config.items())
+        out.append(f"<details open><summary>config ({len(config)} keys, from run.json)</summary>"
+                   f"<div class='cfg'>{items}</div></details>")
+    return "".join(out)
+
+
+def _report_plots(written, skipped) -> str:
+    e = html.escape
+    out = ["<h2>Plots</h2><div class='plots'>"]
+    for path in written:
+        data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+        out.append(f"<figure><img alt='{e(path.stem)}' src='data:image/png;base64,{data}'>"
+                   f"<figcaption><b>{e(path.name)}</b>: {e(PLOT_HELP.get(path.name, ''))}</figcaption></figure>")
+    out.append("</div>")
+    if skipped:
+        out.append("<h2>Plots not drawn</h2><ul>" + "".join(f"<li>{e(n)}: {e(w)}</li>" for n, w in skipped) + "</ul>")
+    return "".join(out)
 
 
 def write_csv(runs, path) -> int:
@@ -2959,14 +3246,18 @@ def _parser():
         prog="analyze-telemetry", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit status: 0 ok, 1 with --check when a finding is critical, 2 when a run cannot be read.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (or its telemetry.jsonl)")
-    p.add_argument("--out", help="where plots and report.html go (default RUN_DIR/analysis/)")
+    p.add_argument("--out", help="where plots and report.html go (default RUN_DIR/analysis/; several runs: "
+                                 "FIRST_RUN/analysis/compare-A-vs-B/)")
     p.add_argument("--json", action="store_true", help="print summary and findings as JSON on stdout")
     p.add_argument("--check", action="store_true", help="exit 1 when any finding is critical")
     p.add_argument("--csv", metavar="FILE", help="write one flat row per record to FILE")
     p.add_argument("--plots", action="store_true", help="also write plots with --json/--check/--csv")
     p.add_argument("--no-plots", action="store_true", help="skip plots and report.html")
-    p.add_argument("--watch", action="store_true", help="follow the run while it trains (Ctrl-C to stop)")
+    p.add_argument("--watch", action="store_true",
+                   help="follow the run while it trains (it need not exist yet); ends when the run closes")
     p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="--watch poll interval (5)")
+    p.add_argument("--redraw", type=float, default=30.0, metavar="SECONDS",
+                   help="--watch: redraw plots and report at most this often (30)")
     p.add_argument("--max-seconds", type=float, metavar="N", help="end --watch by itself after N seconds")
     p.add_argument("--tensorboard", metavar="DIR", help="also export scalars as TensorBoard logs to DIR")
     return p
@@ -2975,7 +3266,18 @@ def _parser():
 def _out_dir(args, runs) -> Path:
     if args.out:
         return Path(args.out)
-    return runs[0].path / "analysis" / ("compare" if len(runs) > 1 else "")
+    if len(runs) == 1:
+        return runs[0].path / "analysis"
+    return runs[0].path / "analysis" / comparison_name(runs)
+
+
+def comparison_name(runs) -> str:
+    """compare-A-vs-B: named after every compared run, so that another comparison never overwrites it."""
+    safe = [re.sub(r"[^A-Za-z0-9._-]+", "_", r.name).strip("._") or "run" for r in runs]
+    name = "compare-" + "-vs-".join(safe)
+    if len(name) > 100:   # many runs: a readable start and a digest of the whole list
+        name = name[:90] + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
 
 
 def _unique_names(runs):
@@ -2986,15 +3288,25 @@ def _unique_names(runs):
         seen[run.name] = run
 
 
+def plots_unavailable():
+    """None when matplotlib imports; else the one line that says how to get the plots."""
+    try:
+        _pyplot()
+    except ImportError:
+        return f"plots skipped: matplotlib is not installed ({INSTALL_HINT})"
+    return None
+
+
 def _analyze(runs, args, want_plots):
     results = [(run, f := diagnose(run), summarize(run, f)) for run in runs]
-    where = None
-    if want_plots:
-        out = _out_dir(args, runs)
-        written, skipped = make_plots(runs, out)
-        report = write_report(results, written, skipped, out)
-        where = (out, report, written, skipped)
-    return results, where
+    return results, _draw(runs, args, results) if want_plots else None
+
+
+def _draw(runs, args, results, refresh=None):
+    """Plots and report.html for the results; (out dir, report path, written plots, skipped plots)."""
+    out = _out_dir(args, runs)
+    written, skipped = make_plots(runs, out)
+    return out, write_report(results, written, skipped, out, refresh), written, skipped
 
 
 def _emit(text: str, file=None, **kwargs) -> None:
@@ -3005,68 +3317,151 @@ def _emit(text: str, file=None, **kwargs) -> None:
 
 def _print_where(where, stream):
     out, report, written, skipped = where
-    for name, why in skipped:
-        _emit(f"skipped {name}: {why}", file=stream)
+    if skipped:
+        _emit(skipped_line(skipped), file=stream)
     print(f"wrote {len(written)} plot(s) and {report} (plots in {out})", file=stream)
 
 
-def watch(runs, args, want_plots) -> int:
-    """Poll the runs, re-diagnose when lines arrive, print each finding the first time it shows up."""
-    seen, notices_shown = set(), {r.name: 0 for r in runs}
-    deadline = time.monotonic() + args.max_seconds if args.max_seconds else None
-    print(f"watching {', '.join(str(r.path) for r in runs)} every {args.interval:g}s (Ctrl-C to stop)", flush=True)
-    for run in runs:
-        if not (run.path / RECORD_FILE).exists():
-            print(f"[{run.name}] waiting for {run.path / RECORD_FILE}", flush=True)
+# ---- Watching a run ---------------------------------------------------------------------------------
 
-    def analyze_and_tell():
-        results, where = _analyze(runs, args, want_plots and any(r.records for r in runs))
-        for run, findings, _ in results:
-            for n in run.notices[notices_shown[run.name]:]:
+BACKLOG_LINES = 20   # more new records than this in one poll: one line that counts them, then the newest
+
+
+def progress_line(rec: dict) -> str:
+    """One record as --watch shows it: step, loss, holdout accuracy and loss."""
+    bits = [f"step {rec.get('step')}"]
+    if math.isfinite(_num(rec.get("loss"))):
+        bits.append(f"loss {_fmt(rec['loss'])}")
+    h = rec.get("holdout_logits")
+    if isinstance(h, dict):
+        if math.isfinite(_num(h.get("accuracy"))):
+            bits.append(f"holdout acc {h['accuracy']:.3f}")
+        if math.isfinite(_num(h.get("loss"))):
+            bits.append(f"holdout loss {_fmt(h['loss'])}")
+    return "  ".join(bits)
+
+
+class Watch:
+    """--watch: poll the runs; a progress line per new record, each finding in full the first time it shows
+    up, plots and a self-reloading report redrawn at most every --redraw seconds; done when every run has
+    closed (run.json's ends)."""
+
+    def __init__(self, runs, args, want_plots):
+        self.runs, self.args, self.want_plots = runs, args, want_plots
+        self.seen = set()                               # (run, code, group, severity) already told
+        self.newest = {r.name: None for r in runs}      # the finding told last, per run
+        self.notices_shown = {r.name: 0 for r in runs}
+        self.waiting, self.closed = set(), set()        # run names
+        self.drawn_at, self.undrawn = None, False       # last redraw (monotonic); records since it
+        self.results = None
+
+    def poll(self) -> bool:
+        """Read what arrived and tell it; True when every run has closed."""
+        added = [read_new_records(run, final=False) for run in self.runs]
+        for run in self.runs:
+            if not (run.path / RECORD_FILE).is_file() and run.name not in self.waiting:
+                self.waiting.add(run.name)
+                print(f"[{run.name}] waiting for {run.path / RECORD_FILE}", flush=True)
+        if any(added) or self.results is None:
+            self._tell(added)
+        for run in self.runs:
+            if run.name not in self.closed and (end := run_end(run)):
+                self.closed.add(run.name)
+                print(f"[{run.name}] run closed at {end}", flush=True)
+        self._draw(final=False)
+        return len(self.closed) == len(self.runs)
+
+    def finish(self) -> int:
+        self._tell([read_new_records(run, final=True) for run in self.runs])
+        where = self._draw(final=True)
+        print(f"watched {sum(len(r.records) for r in self.runs)} records; "
+              f"{sum(len(f) for _, f, _ in self.results)} finding(s) now", flush=True)
+        if where:
+            _print_where(where, sys.stdout)
+        critical = any(f.severity == "critical" for _, fs, _ in self.results for f in fs)
+        return 1 if self.args.check and critical else 0
+
+    def _tell(self, added):
+        """Diagnose again; print the new records' progress lines (with the newest finding told before
+        them), then each new finding in full, and the notices."""
+        self.results = [(run, f := diagnose(run), summarize(run, f)) for run in self.runs]
+        self.undrawn = self.undrawn or any(added)
+        newest, told = dict(self.newest), []
+        for run, findings, _ in self.results:
+            # Keyed with the severity, so a warning that turns critical is told once more.
+            new = [f for f in findings if (run.name, f.code, f.group, f.severity) not in self.seen]
+            self.seen.update((run.name, f.code, f.group, f.severity) for f in new)
+            if new:
+                self.newest[run.name] = max(new, key=lambda f: SEVERITIES.index(f.severity))
+            told += [(run, f) for f in new]
+        for run, n in zip(self.runs, added):
+            self._progress(run, n, newest[run.name])
+        for run, f in told:
+            step = run.records[-1]["step"] if run.records else "?"
+            _emit(f"[{run.name}] step {step}: {f.severity.upper()} {f.code}: {f.message}", flush=True)
+        for run in self.runs:
+            for n in run.notices[self.notices_shown[run.name]:]:
                 _emit(f"[{run.name}] notice: {n}", flush=True)
-            notices_shown[run.name] = len(run.notices)
-            for f in findings:
-                # Keyed with the severity, so a warning that turns critical is told once more.
-                key = (run.name, f.code, f.group, f.severity)
-                if key not in seen:
-                    seen.add(key)
-                    step = run.records[-1]["step"] if run.records else "?"
-                    _emit(f"[{run.name}] step {step}: {f.severity.upper()} {f.code}: {f.message}", flush=True)
-        return results, where
+            self.notices_shown[run.name] = len(run.notices)
 
-    first = True
+    @staticmethod
+    def _progress(run, added, f):
+        if not added:
+            return
+        recs = run.records[-added:]
+        if added > BACKLOG_LINES:
+            _emit(f"[{run.name}] {added:,} records, steps {recs[0].get('step')}-{recs[-1].get('step')}", flush=True)
+            recs = recs[-1:]
+        newest = f" | newest finding: {f.severity.upper()} {f.code}" if f else " | no findings"
+        for rec in recs:
+            _emit(f"[{run.name}] {progress_line(rec)}{newest}", flush=True)
+
+    def _draw(self, final: bool):
+        """Plots and report, when due: at the end, or records arrived and --redraw seconds have passed."""
+        if not self.want_plots or not any(r.records for r in self.runs):
+            return None
+        due = self.undrawn and (self.drawn_at is None or time.monotonic() - self.drawn_at >= self.args.redraw)
+        if not (final or due):
+            return None
+        self.drawn_at, self.undrawn = time.monotonic(), False
+        refresh = None if final else max(self.args.redraw, self.args.interval)
+        return _draw(self.runs, self.args, self.results, refresh)
+
+
+def watch(runs, args, want_plots) -> int:
+    """Follow the runs until they close, --max-seconds pass, or Ctrl-C; returns the exit status."""
+    w = Watch(runs, args, want_plots)
+    print(f"watching {', '.join(str(r.path) for r in runs)} every {args.interval:g}s until the run closes"
+          f"{'' if len(runs) == 1 else 's close'} (Ctrl-C to stop)", flush=True)
+    deadline = time.monotonic() + args.max_seconds if args.max_seconds else None
     try:
-        while True:
-            if sum(read_new_records(run, final=False) for run in runs) or first:
-                first = False
-                analyze_and_tell()
-            if deadline is not None and time.monotonic() >= deadline:
+        while not w.poll():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 break
-            time.sleep(args.interval if deadline is None
-                       else max(0.0, min(args.interval, deadline - time.monotonic())))
+            time.sleep(args.interval if left is None else min(args.interval, left))
     except KeyboardInterrupt:
         print("\nstopped watching", flush=True)
-    for run in runs:
-        read_new_records(run, final=True)
-    results, where = analyze_and_tell()
-    print(f"watched {sum(len(r.records) for r in runs)} records; "
-          f"{sum(len(f) for _, f, _ in results)} finding(s) now", flush=True)
-    if where:
-        _print_where(where, sys.stdout)
-    return 1 if args.check and any(f.severity == "critical" for _, fs, _ in results for f in fs) else 0
+    return w.finish()
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if isinstance(np, _Missing):
+        print(f"analyze_telemetry needs numpy: {INSTALL_HINT}", file=sys.stderr)
+        return 2
     machine = args.json or args.check or args.csv
     want_plots = not args.no_plots and (args.plots or not machine)
+    if want_plots and (why := plots_unavailable()):
+        print(why, file=sys.stderr)   # the diagnosis goes on without them
+        want_plots = False
     runs = []
     for d in args.run_dirs:
         run = new_run(d)
-        if not run.path.is_dir():
+        if not args.watch and not run.path.is_dir():   # --watch waits for a run that is not there yet
             print(f"error: {d} is not a run directory", file=sys.stderr)
             return 2
-        if not (run.path / RECORD_FILE).is_file() and not args.watch:
+        if not args.watch and not (run.path / RECORD_FILE).is_file():
             print(f"error: no {RECORD_FILE} in {run.path}", file=sys.stderr)
             return 2
         runs.append(run)
@@ -3079,11 +3474,7 @@ def main(argv=None) -> int:
     if args.csv:
         n = write_csv(runs, args.csv)
         print(f"wrote {n} rows to {args.csv}", file=info)
-    try:
-        results, where = _analyze(runs, args, want_plots)
-    except ImportError as exc:   # matplotlib missing: still give the diagnosis
-        print(f"plots skipped: {exc}", file=sys.stderr)
-        results, where = _analyze(runs, args, False)
+    results, where = _analyze(runs, args, want_plots)
     if args.json:
         print(json.dumps(findings_json(results), indent=1, default=float, allow_nan=False))
     else:

@@ -71,6 +71,11 @@ def batches(data, batch_size: int, generator: torch.Generator):
         yield {k: v[idx] for k, v in data.items()}
 
 
+def shown_epochs(epochs: int, lines: int = 5) -> set:
+    """The epochs whose loss is printed: the first, the last and a few evenly between (150 lines tell no more)."""
+    return {round(i * (epochs - 1) / (lines - 1)) for i in range(lines)} if epochs > lines else set(range(epochs))
+
+
 def train(scenario: str = "healthy", out: str = None, config_path: str = "telemetry.yaml",
           collect_every_n: int = None, seed: int = 0, telemetry_on: bool = True, epochs: int = None,
           quiet: bool = False) -> nn.Module:
@@ -117,8 +122,8 @@ def train(scenario: str = "healthy", out: str = None, config_path: str = "teleme
                 telemetry.on_batch_end(model, optimizer, batch_idx, epoch, batch=batch, loss=loss,
                                        train_acc=train_acc)
             optimizer.zero_grad()
-        if not quiet:
-            print(f"epoch {epoch}: last loss {loss.item():.4f}", file=sys.stderr)
+        if not quiet and epoch in shown_epochs(spec["epochs"]):
+            print(f"epoch {epoch + 1}/{spec['epochs']}: last loss {loss.item():.3g}", file=sys.stderr)
     if telemetry:
         telemetry.close()
         if not quiet:

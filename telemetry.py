@@ -681,25 +681,49 @@ def _has_nonfinite(node: Any) -> bool:
     return False
 
 
-def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry") -> Dict[str, float]:
-    """A record's numbers under mirror keys: {"telemetry/gradient_norm/head": 0.5, ...}.
+# What the mirrors leave out of a record: a dashboard wants one curve per section and group. Bookkeeping
+# (the step is the mirrors' x axis), rows per layer (telemetry.jsonl and the analyzer's heatmaps keep them)
+# and counts are no curves; a batch's class balance goes out as shares (see batch_shares).
+_MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "reference_step",
+                    "layer_stats", "grad_profile", "activations", "param_change/per_layer",
+                    "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
+                    "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
+                    "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels")
+
+
+def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry", classes: Any = ()) -> Dict[str, float]:
+    """A record's numbers under mirror keys, one per section and group: {"telemetry/gradient_norm/head": 0.5}.
 
     Nested keys are joined by "/"; lists (predictions, alerts), strings, bools and nulls are left out, and
-    so are schema/step/batch_idx/timestamp (the step is the mirrors' x axis).
+    so is _MIRROR_LEFT_OUT. Batch balance is `batch_share/<class>` (see batch_shares), for the classes of
+    this batch and `classes`, those seen earlier in the run.
     """
     out: Dict[str, float] = {}
 
     def walk(node, path):
+        if any(fnmatch.fnmatchcase(path, pattern) for pattern in _MIRROR_LEFT_OUT):
+            return
         if isinstance(node, dict):
             for key, value in node.items():
-                walk(value, f"{path}/{key}")
+                walk(value, f"{path}/{key}" if path else str(key))
         elif isinstance(node, (int, float)) and not isinstance(node, bool):
-            out[path] = float(node)
+            out[f"{prefix}/{path}"] = float(node)
 
-    for key, value in record.items():
-        if key not in ("schema", "step", "batch_idx", "timestamp"):
-            walk(value, f"{prefix}/{key}")
+    walk(record, "")
+    stats = record.get("batch_stats")
+    out.update((f"{prefix}/batch_share/{c}", v) for c, v in batch_shares(stats, classes).items())
     return out
+
+
+def batch_shares(stats: Any, classes: Any = ()) -> Dict[str, float]:
+    """{class: share of the batch} from a batch_stats section's counts, with 0 for each of `classes` the
+    batch lacks: a class seen once keeps a value (its curve no gap) at every later record."""
+    counts = stats.get("counts") if isinstance(stats, dict) else None
+    counts = counts if isinstance(counts, dict) else {}
+    total = sum(c for c in counts.values() if isinstance(c, (int, float))) or 1
+    shares = {str(c): 0.0 for c in classes}
+    shares.update((str(c), n / total) for c, n in counts.items() if isinstance(n, (int, float)))
+    return shares
 
 
 def _json_default(value: Any) -> Any:
@@ -1736,6 +1760,7 @@ class _Mirrors:
         self.off: set = set()
         self.wandb_run: Any = None
         self.tb: Any = None
+        self.classes: Dict[str, None] = {}  # every batch class seen so far, in order: sent at 0 when absent
 
     def send(self, record: Dict[str, Any]) -> None:
         flat = None
@@ -1743,7 +1768,9 @@ class _Mirrors:
             if name in self.off:
                 continue
             try:
-                flat = flatten_scalars(record) if flat is None else flat
+                if flat is None:
+                    self.classes.update(dict.fromkeys(batch_shares(record.get("batch_stats"))))
+                    flat = flatten_scalars(record, classes=self.classes)
                 (self._wandb if name == "wandb" else self._tensorboard)(flat, record["step"])
             except Exception as exc:
                 if self.strict:
@@ -2137,11 +2164,27 @@ class _RunFiles:
             return None
 
     def close(self) -> None:
-        """Write what is held and let go of the files. Never raises for I/O: the run is over either way."""
+        """Write what is held, mark the end of this start in run.json and let go of the files. Never raises
+        for I/O: the run is over either way.
+
+        run.json's `ends` is aligned with `starts`: ends[k] is when start k closed, null while it runs or
+        when it never closed (a crash). A restart appends to `starts` only, so the run is open again until
+        it closes; `analyze_telemetry.py --watch` stops when the last start has its end."""
         try:
             self.release()
         except OSError as exc:  # strict, and the disk failed
             self.warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}) while closing")
+        starts, ends = self.info.get("starts") or [], self.info.get("ends")
+        ends = list(ends) if isinstance(ends, list) else []
+        # Not for a start that abandon() took back, nor twice, nor once writing has failed.
+        if self.start_index < len(starts) and not self.stopped and not self.skip and (
+                len(ends) <= self.start_index or ends[self.start_index] is None):
+            ends = (ends + [None] * len(starts))[:len(starts)]
+            ends[self.start_index] = datetime.datetime.now().isoformat()
+            try:
+                self.update_info(ends=ends)
+            except OSError as exc:  # strict, and the disk failed
+                self.warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}) while closing")
         if self.fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
@@ -4122,3 +4165,136 @@ def lightning_callback_class() -> type:
 
     _LAZY_CLASSES["lightning"] = TelemetryCallback
     return TelemetryCallback
+
+
+# =====================================================================================================
+# Command line: python telemetry.py --write-config telemetry.yaml
+# =====================================================================================================
+
+# The documented config file, top to bottom: a (key, why) pair per TelemetryConfig field, or a comment line.
+# Kept beside the writer so the file exists wherever this module was copied; tests hold it to the dataclass.
+_CONFIG_DOC = (
+    ("enabled", "false: on_batch_end returns at once and nothing is written"),
+    ("collect_every_n", "collect at the first optimizer step at or after each batch_idx that is a multiple\n"
+                        "(TelemetryConfig() says 200, for long runs; 10 here, so a first run shows detail)"),
+    ("output_dir", "run directory, set here or by the script; {date} and {host} make one per run"),
+    "",
+    ("track_gradients", "gradient L2 norm, overall and per group (null if gradients were zeroed)"),
+    ("track_weight_delta", "L2 change of trainable weights since the last collection, via a file on disk"),
+    ("track_learning_rates", "current lr of every optimizer param group, after the scheduler stepped"),
+    ("track_holdout_logits", "predictions on the fixed holdout set given to set_holdout_data"),
+    ("track_activations", "dead ReLU / saturated sigmoid and tanh units, seen only in the holdout's forward"),
+    ("track_batch_stats", "label balance of the batch passed to on_batch_end"),
+    "",
+    ("holdout_size", "holdout examples (not batches) to keep"),
+    ("groups", "{name: [patterns]} to group parameters by name; null = optimizer groups"),
+    ("batch_label_key", "label key in dict batches; null = the first of " + ", ".join(LABEL_KEYS)),
+    ("strict", "true: raise metric errors instead of recording them under \"errors\""),
+    "",
+    "# LoRA and language models.",
+    ("track_lora", "with LoRA modules (peft/unsloth): the `lora` section and lora_A/lora_B/other groups"),
+    ("holdout_token_ids", "[ids]: LM holdout also logs these tokens' logits where each answer starts"),
+    "",
+    "# Training dynamics. `preset: minimal | default | comprehensive` (a key of its own) applies a preset",
+    "# first; the keys written here then override it.",
+    ("track_layer_stats", "per-layer gradient norm/mean/std/min/max, zero/NaN/Inf counts, weight norm"),
+    ("layer_stats_by", "layer (block index or module name) | group | tensor: the rows of layer_stats"),
+    ("track_update_ratio", "||dW||/||W|| (~1e-3 is healthy), drift ||W - W_0|| and ||W|| per group; cheap"),
+    ("track_param_change", "L1/L2/max/mean/std, sparsity and sign flips of the delta, per layer/component"),
+    ("param_change_thresholds", "|dW| <= t counts as unchanged"),
+    ("param_change_rel_thresholds", "|dW| <= t * |W|: scale-free (bf16-safe) sparsity"),
+    ("track_sparse_quality", "holdout outputs with only |dW| > t applied vs the full update (costly)"),
+    ("sparse_quality_thresholds", "the t of sparse_quality, one entry each"),
+    ("track_system", "step time, examples/tokens per second, RSS, CUDA memory, GPU utilisation"),
+    ("alerts", "loss/gradient spikes, NaN/Inf, LR 0, frozen groups: logged once when they start"),
+    ("alert_window", "records in the rolling median/MAD window that spikes are judged against"),
+    ("alert_spike_threshold", "robust z-score (MADs above the rolling median) that makes a spike"),
+    ("alert_explosion_factor", "a gradient spike this many times its rolling median: a gradient explosion"),
+    "",
+    "# Mirrors: each record's numbers also go to the active wandb run and/or a TensorBoard SummaryWriter in",
+    "# output_dir/tb (keys like telemetry/gradient_norm/head). telemetry.jsonl stays the source of truth.",
+    ("mirror", "[wandb, tensorboard]"),
+)
+# Where the written file differs from TelemetryConfig() on purpose (its comment says why).
+CONFIG_FILE_OVERRIDES = {"collect_every_n": 10}
+_CONFIG_HEADER = """\
+# Telemetry config: every key of TelemetryConfig, each with what it does.
+# Written by `python telemetry.py --write-config telemetry.yaml`; read (with pyyaml) by
+# TelemetryConfig.from_yaml("telemetry.yaml", output_dir="runs/exp1"), where keyword arguments win.
+# An unknown key is an error that names it (and suggests the closest valid key).
+telemetry:
+"""
+_YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "none", "~"}
+
+
+def yaml_value(value: Any) -> str:
+    """One config value as YAML flow text, without a YAML library. Floats always carry a '.' and a signed
+    exponent, as YAML 1.1 readers (pyyaml) otherwise read 1e-08 as a string."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _yaml_float(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{yaml_value(str(k))}: {yaml_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    plain = text.replace("_", "a").replace("-", "a").replace(".", "a").isalnum() and text[0].isalpha()
+    return text if plain and text.lower() not in _YAML_WORDS else json.dumps(text)
+
+
+def _yaml_float(value: float) -> str:
+    # Small thresholds read best as 1.0e-4: the shortest mantissa that still gives the same float back.
+    if value == 0 or abs(value) >= 0.1:
+        text = repr(value)
+    else:
+        text = next(t for p in range(1, 18) if float(t := f"{value:.{p}e}") == value)
+        text = text.rstrip("0").replace(".e", ".0e")
+    mantissa, _, exponent = text.partition("e")
+    mantissa += "" if "." in mantissa else ".0"
+    return mantissa + (f"e{int(exponent):+d}" if exponent else "")
+
+
+def default_config_yaml() -> str:
+    """The text of the documented default config file (the shipped telemetry.yaml is exactly this)."""
+    config = TelemetryConfig(**CONFIG_FILE_OVERRIDES)
+    lines = [_CONFIG_HEADER.rstrip("\n")]
+    for entry in _CONFIG_DOC:
+        if isinstance(entry, str):
+            lines.append(f"  {entry}".rstrip())
+            continue
+        key, why = entry
+        setting = f"  {key}: {yaml_value(getattr(config, key))}"
+        first, *more = why.split("\n")
+        lines.append(f"{setting.ljust(30)}{'  ' if len(setting) >= 30 else ''}# {first}")
+        lines.extend(" " * 30 + f"# {line}" for line in more)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`python telemetry.py --write-config PATH`: the config file, for a project that copied this file alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python telemetry.py", description=main.__doc__.split(":", 1)[1])
+    parser.add_argument("--write-config", metavar="PATH", required=True,
+                        help="write the documented default config to PATH ('-': standard output)")
+    parser.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    args = parser.parse_args(argv)
+    text = default_config_yaml()
+    if args.write_config == "-":
+        sys.stdout.write(text)
+        return 0
+    if os.path.exists(args.write_config) and not args.force:
+        print(f"telemetry.py: {args.write_config} exists; --force replaces it", file=sys.stderr)
+        return 1
+    with open(args.write_config, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {args.write_config}; load it with TelemetryConfig.from_yaml({json.dumps(args.write_config)}, "
+          "output_dir=\"runs/exp1\") (needs pyyaml)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,6 @@ import csv
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -456,8 +455,13 @@ def test_absent_plot_is_skipped_with_a_reason(tmp_path, capsys):
     path = write_run(tmp_path / "r", recs)
     assert at.main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"skipped batch_balance\.png: no batch_stats", out)
-    assert re.search(r"skipped lora\.png: no lora section", out)
+    skipped = [line for line in out.splitlines() if line.startswith("skipped")]
+    assert len(skipped) == 1, skipped   # one line, naming what would enable each plot
+    assert re.match(r"skipped \d+ plots: ", skipped[0])
+    assert "batch_balance (track_batch_stats: true, batch= in on_batch_end)" in skipped[0]
+    assert "lora (a model with LoRA adapters)" in skipped[0] and "layer_grad_heatmap (track_layer_stats: true)" in skipped[0]
+    report = (path / "analysis" / "report.html").read_text()
+    assert "batch_balance.png: no batch_stats in any record; to draw it: track_batch_stats: true" in report
     assert not (path / "analysis" / "batch_balance.png").exists()
     assert (path / "analysis" / "gradient_norm.png").exists() and (path / "analysis" / "report.html").exists()
 
@@ -468,22 +472,6 @@ def test_report_is_self_contained(analyzed):
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text, re.I)
     assert text.count("data:image/png;base64,") == 13
     assert "No findings" in text or "info" in text
-
-
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)")
-def test_report_renders_in_headless_chromium(analyzed, tmp_path):
-    out, _ = analyzed
-    shot = tmp_path / "shot.png"
-    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-quic", "--no-first-run", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000",
-           (out / "report.html").resolve().as_uri()]
-    subprocess.run(cmd, capture_output=True, timeout=90)
-    assert shot.is_file() and shot.read_bytes()[:8] == PNG_SIGNATURE
-    import matplotlib.image as mpimg
-    img = mpimg.imread(str(shot))[..., :3]
-    non_white = float((img.mean(axis=2) < 0.95).mean())
-    assert img.std() > 0.05 and non_white > 0.03, (img.std(), non_white)
 
 
 def test_check_exit_codes(tmp_path):
@@ -601,7 +589,9 @@ def test_watch_follows_a_growing_file(tmp_path):
     assert done.is_set()
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert out.count("CRITICAL lr_zero") == 1, out
+    assert out.count("CRITICAL lr_zero:") == 1, out   # told in full once; progress lines name it after that
+    assert re.search(r"^\[r\] step 600  loss \S+  holdout acc 0\.\d+  holdout loss \S+ \| newest finding: CRITICAL lr_zero$",
+                     out, re.M), out
     assert "malformed" not in out and "torn" not in out
     assert "watched 60 records" in out
 

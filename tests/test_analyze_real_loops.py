@@ -264,6 +264,6 @@ def test_regression_holdout_healthy_and_plotted(tmp_path, capsys):
     out = tmp_path / "plots"
     assert at.main([str(tmp_path / "ok"), "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "skipped accuracy.png: the holdout is regression" in text
+    assert "accuracy (the holdout is regression: no accuracy to draw" in text
     for name in ("loss.png", "holdout_heatmap.png", "gradient_norm.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
