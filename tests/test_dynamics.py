@@ -255,9 +255,9 @@ def test_one_streamed_pass_serves_every_weight_section(tmp_path, monkeypatch):
     opened = []
     real = telemetry.map_tensor_file
 
-    def counting(path, names):
+    def counting(path, names, info=None):
         opened.append(os.path.basename(path))
-        return real(path, names)
+        return real(path, names, info)
 
     # Every read of a reference goes through map_tensor_file, so counting its opens finds a second pass.
     monkeypatch.setattr(telemetry, "map_tensor_file", counting)
