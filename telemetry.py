@@ -1590,7 +1590,8 @@ def _compile_change_kernel(device: str, dtype: torch.dtype, detail: bool, thresh
     """The fused kernel for chunks of this device and dtype, compiled now (seconds) by a first call on
     chunk-sized inputs and checked against the eager body. Lengths are dynamic, so one kernel serves every
     chunk of FUSED_MIN_ELEMENTS or more; on the CPU it is single-threaded, as the pass runs one per thread."""
-    options = {"cpp.threads": 1, "compile_threads": 1} if device.startswith("cpu") else {}
+    # cpp_wrapper: the compiled call runs in C++ without the GIL, so the pass's threads compute side by side.
+    options = {"cpp.threads": 1, "compile_threads": 1, "cpp_wrapper": True} if device.startswith("cpu") else {}
     body = _change_details if detail else _change_sums
     kernel = torch.compile(body, dynamic=True, fullgraph=True, options=options)
     n = max(CHUNK_BYTES // torch.empty((), dtype=dtype).element_size(), FUSED_MIN_ELEMENTS)
@@ -1598,8 +1599,13 @@ def _compile_change_kernel(device: str, dtype: torch.dtype, detail: bool, thresh
     args = [torch.randn(n, generator=gen).to(device, dtype) for _ in range(3)]
     if detail:
         args += [torch.linspace(0, 1, thresholds).to(device), torch.linspace(0, 1, rel_thresholds).to(device)]
-    with torch.no_grad():
-        got, want = kernel(*args), body(*args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread's count, which the kernel guards on: a pass calls it on one
+    try:
+        with torch.no_grad():
+            got, want = kernel(*args), body(*args)
+    finally:
+        torch.set_num_threads(threads)
     got, want = (got, want) if detail else ((got,), (want,))
     if not all(torch.allclose(g.double(), e.double(), rtol=1e-4) for g, e in zip(got, want)):
         raise RuntimeError("the compiled kernel disagrees with the eager ops")
@@ -1638,8 +1644,11 @@ class _ChangePass:
                        below_rel=each(torch.int64, len(self.rel_thresholds)))
         return acc
 
+    @torch.no_grad()  # per thread (grad mode is thread-local): the kernels were compiled without autograd
     def accumulate(self, part: List[tuple]) -> Dict[str, List[torch.Tensor]]:
         """The sums over the chunks (tensor index, start, elements) of `part`, with scratch buffers of its own."""
+        if any(self.kernels) and torch.get_num_threads() != 1:
+            torch.set_num_threads(1)  # a new thread's own count: the kernels were compiled (and guard) for one
         acc, scratch = self.zeros(), _Scratch()
         for i, start, n in part:
             if self.kernels and self.kernels[i] is not None and n >= FUSED_MIN_ELEMENTS:
@@ -1663,24 +1672,21 @@ class _ChangePass:
         return acc
 
     def _fused(self, acc, i: int, start: int, n: int) -> None:
-        # A missing file is stood in for by the weights themselves: its sum is then 0 and is left out.
+        # Only with both files: passing one tensor for two inputs would not match what was compiled.
         w = self.flats[i][start:start + n]
-        r = self.refs[i].view(-1)[start:start + n].to(w.device) if self.refs is not None else w
-        r0 = self.inits[i].view(-1)[start:start + n].to(w.device) if self.inits is not None else w
+        r = self.refs[i].view(-1)[start:start + n].to(w.device)
+        r0 = self.inits[i].view(-1)[start:start + n].to(w.device)
         out = self.kernels[i](w, r, r0, *self.limits) if self.detail else (self.kernels[i](w, r, r0),)
         for k, key in enumerate(("delta_sq", "drift_sq", "weight_sq")):
-            if key in acc:
-                acc[key][i] += out[0][k]
+            acc[key][i] += out[0][k]
         if self.detail:
             for key, value in zip(("sum", "l1"), out[1:3]):
                 acc[key][i] += value
             acc["max_abs"][i] = torch.maximum(acc["max_abs"][i], out[3].to(self.wide))
             for key, value in zip(("flips", "below", "below_rel"), out[4:]):
                 acc[key][i] += value
-        if self.refs is not None:
-            self.release_ref(i, start, n)
-        if self.inits is not None:
-            self.release_init(i, start, n)
+        self.release_ref(i, start, n)
+        self.release_init(i, start, n)
 
     def whole(self) -> Dict[str, torch.Tensor]:
         """The same sums over whole tensors, with one list-wide (torch._foreach_*) op per quantity rather than
@@ -1794,10 +1800,10 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
 def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[str, torch.Tensor]:
     """sums over CHUNK_BYTES pieces, split over _pass_threads threads, through the fused kernels that are ready."""
     parts = _split_evenly(chunk_spans(sums.flats), _pass_threads(sums.flats))
-    with _FUSED.free() if fused else contextlib.nullcontext(False) as free:
+    with _FUSED.free() if fused else contextlib.nullcontext(False) as free, _one_cpu_thread():
         if free and device.type != "mps" and not torch.compiler.is_compiling():
             _take_kernels(sums, device)
-        # A shape or state the kernel was not compiled for runs its body eagerly: never a compile in here.
+        # A shape or state the kernels were not compiled for runs their body eagerly: never a compile in here.
         with torch.compiler.set_stance("eager_on_recompile") if any(sums.kernels) else contextlib.nullcontext():
             return sums.combine(_concurrently(*[lambda part=part: sums.accumulate(part) for part in parts]), device)
 
@@ -1805,11 +1811,12 @@ def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[
 def _take_kernels(sums: _ChangePass, device: torch.device) -> None:
     """Give the pass the fused kernel of each tensor on `device` that is ready (asking for the others)."""
     found: Dict[tuple, Optional[Callable]] = {}
+    both = sums.refs is not None and sums.inits is not None  # else eager: a run's first collection, no drift
     for w in sums.flats:
         if w.device == device and min(w.numel(), CHUNK_BYTES // w.element_size()) >= FUSED_MIN_ELEMENTS:
             key = _FusedKernels.key(w, sums.detail, len(sums.thresholds), len(sums.rel_thresholds))
             found[key] = found[key] if key in found else _FUSED.ready(key)
-            sums.kernels.append(found[key])
+            sums.kernels.append(found[key] if both else None)
         else:
             sums.kernels.append(None)
     if sums.detail:
