@@ -1516,9 +1516,10 @@ class _FusedKernels:
     Compiled once per process, on a background thread that a collection starts when it ends, so that no
     collection waits for the compiler: until a kernel is ready the eager ops serve, and a compile that fails
     leaves them in place for good (the failure is kept for one warning). TELEMETRY_COMPILE=0 turns this off.
-    A pass calls the kernels under set_stance("eager_on_recompile"), so an input the kernel was not compiled
-    for runs the same body eagerly instead of compiling inside the collection. A forked child keeps the
-    kernels that were ready; one that forked during a compile stays eager (the compile never ends there).
+    The kernels are compiled ahead of time (aot_compile): a call never compiles, and an input they were not
+    compiled for fails their guards and goes to the eager ops. So neither dynamo's frame hook nor its
+    compile lock is involved when a pass calls them, whatever the user's own torch.compile does. A forked
+    child keeps the kernels that were ready; one that forked during a compile stays eager.
     """
 
     def __init__(self):
@@ -1593,8 +1594,7 @@ def _compile_change_kernel(device: str, dtype: torch.dtype, detail: bool, thresh
     # cpp_wrapper: the compiled call runs in C++ without the GIL, so the pass's threads compute side by side.
     options = {"cpp.threads": 1, "compile_threads": 1, "cpp_wrapper": True} if device.startswith("cpu") else {}
     body = _change_details if detail else _change_sums
-    kernel = torch.compile(body, dynamic=True, fullgraph=True, options=options)
-    n = max(CHUNK_BYTES // torch.empty((), dtype=dtype).element_size(), FUSED_MIN_ELEMENTS)
+    n = max(CHUNK_BYTES // dtype.itemsize, FUSED_MIN_ELEMENTS)
     gen = torch.Generator().manual_seed(0)
     args = [torch.randn(n, generator=gen).to(device, dtype) for _ in range(3)]
     if detail:
@@ -1603,6 +1603,9 @@ def _compile_change_kernel(device: str, dtype: torch.dtype, detail: bool, thresh
     torch.set_num_threads(1)  # this thread's count, which the kernel guards on: a pass calls it on one
     try:
         with torch.no_grad():
+            # Compiled ahead of its calls: a call checks the guards and raises on a mismatch, where the
+            # plain compiled function would compile again, inside a collection.
+            kernel = torch.compile(body, dynamic=True, fullgraph=True, options=options).aot_compile((tuple(args), {}))
             got, want = kernel(*args), body(*args)
     finally:
         torch.set_num_threads(threads)
@@ -1651,8 +1654,7 @@ class _ChangePass:
             torch.set_num_threads(1)  # a new thread's own count: the kernels were compiled (and guard) for one
         acc, scratch = self.zeros(), _Scratch()
         for i, start, n in part:
-            if self.kernels and self.kernels[i] is not None and n >= FUSED_MIN_ELEMENTS:
-                self._fused(acc, i, start, n)
+            if self.kernels and self.kernels[i] is not None and n >= FUSED_MIN_ELEMENTS and self._fused(acc, i, start, n):
                 continue
             dev = self.flats[i].device
             wc = scratch.as_float(self.flats[i][start:start + n], "w", dev)
@@ -1671,12 +1673,18 @@ class _ChangePass:
                 self.release_init(i, start, n)
         return acc
 
-    def _fused(self, acc, i: int, start: int, n: int) -> None:
-        # Only with both files: passing one tensor for two inputs would not match what was compiled.
+    def _fused(self, acc, i: int, start: int, n: int) -> bool:
+        """Add a chunk's sums through the fused kernel; False (nothing added) when its guards refuse the
+        inputs, and the eager ops then serve this tensor. Only with both files: one tensor passed for two
+        inputs is not what the kernel was compiled for."""
         w = self.flats[i][start:start + n]
         r = self.refs[i].view(-1)[start:start + n].to(w.device)
         r0 = self.inits[i].view(-1)[start:start + n].to(w.device)
-        out = self.kernels[i](w, r, r0, *self.limits) if self.detail else (self.kernels[i](w, r, r0),)
+        try:
+            out = self.kernels[i](w, r, r0, *self.limits) if self.detail else (self.kernels[i](w, r, r0),)
+        except RuntimeError:  # a guard failed (another stride, dtype or state): nothing was computed
+            self.kernels[i] = None
+            return False
         for k, key in enumerate(("delta_sq", "drift_sq", "weight_sq")):
             acc[key][i] += out[0][k]
         if self.detail:
@@ -1687,6 +1695,7 @@ class _ChangePass:
                 acc[key][i] += value
         self.release_ref(i, start, n)
         self.release_init(i, start, n)
+        return True
 
     def whole(self) -> Dict[str, torch.Tensor]:
         """The same sums over whole tensors, with one list-wide (torch._foreach_*) op per quantity rather than
@@ -1803,9 +1812,7 @@ def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[
     with _FUSED.free() if fused else contextlib.nullcontext(False) as free, _one_cpu_thread():
         if free and device.type != "mps" and not torch.compiler.is_compiling():
             _take_kernels(sums, device)
-        # A shape or state the kernels were not compiled for runs their body eagerly: never a compile in here.
-        with torch.compiler.set_stance("eager_on_recompile") if any(sums.kernels) else contextlib.nullcontext():
-            return sums.combine(_concurrently(*[lambda part=part: sums.accumulate(part) for part in parts]), device)
+        return sums.combine(_concurrently(*[lambda part=part: sums.accumulate(part) for part in parts]), device)
 
 
 def _take_kernels(sums: _ChangePass, device: torch.device) -> None:
