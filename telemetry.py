@@ -1763,7 +1763,8 @@ def _squared_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
 def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = None,
                             initial_path: Optional[str] = None, thresholds: List[float] = (),
                             rel_thresholds: List[float] = (), detail: bool = False,
-                            file_info: Callable[[str], tuple] = None, fused: bool = True) -> Dict[str, torch.Tensor]:
+                            mapper: Optional[Callable[[str, List[str]], tuple]] = None,
+                            fused: bool = True) -> Dict[str, torch.Tensor]:
     """Every per-tensor quantity of the weight-change sections from ONE pass over the weights: the
     reference and the initial weights are streamed side by side in CHUNK_BYTES pieces, each file once,
     and each chunk of the weights is read once for all of them (into reused scratch buffers, so the extra
@@ -1778,8 +1779,8 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
       l1 = sum |d|, sum = sum d, max_abs = max |d| (float64; float32 on mps);
       flips = #(sign w * sign r < 0), below[k] = #(|d| <= thresholds[k]),
       below_rel[k] = #(|d| <= rel_thresholds[k] * |r|) (int64, [len(thresholds), tensors]).
-    Without either file, weight_sq alone comes from per_tensor_sq_norms. `file_info(path)` gives a file's
-    checked header (tensor_file_info, or what the caller already knows of a file it wrote); `fused=False`
+    Without either file, weight_sq alone comes from per_tensor_sq_norms. `mapper(path, names)` maps a file
+    as map_tensor_file does (the default; a caller may keep what it already checked or mapped); `fused=False`
     keeps to the eager ops.
     """
     if not named:
@@ -1790,9 +1791,9 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
         return {"weight_sq": per_tensor_sq_norms([w.detach() for _, w in named], device)}
     flats = [w.detach().reshape(-1) for _, w in named]
     # Both files hold the same names, shapes and dtypes as the weights (reference_matches), so chunks line up.
-    info = file_info or tensor_file_info
-    refs, release_ref = map_tensor_file(reference_path, names, info(reference_path)) if reference_path else (None, None)
-    inits, release_init = map_tensor_file(initial_path, names, info(initial_path)) if initial_path else (None, None)
+    mapper = mapper or map_tensor_file
+    refs, release_ref = mapper(reference_path, names) if reference_path else (None, None)
+    inits, release_init = mapper(initial_path, names) if initial_path else (None, None)
     sums = _ChangePass(flats, refs, release_ref, inits, release_init, detail and reference_path is not None,
                        list(thresholds), list(rel_thresholds),
                        torch.float32 if device.type == "mps" else torch.float64)
@@ -3311,6 +3312,38 @@ class _WrittenHeaders:
             return None
 
 
+class _KeptMaps:
+    """Memory maps of small tensor files (up to WHOLE_PASS_BYTES of data) kept from one collection to the next.
+
+    Mapping a file afresh faults its pages in again at every collection, which costs a small model more
+    than reading them. A reference is rewritten in place (write_tensor_file's spare), and a map shows what
+    the file holds now, so a map stays valid while its file keeps its inode, size and header layout; anything
+    else is mapped anew. The kept pages are the page cache's own: they count in RSS without using more
+    memory. Large files are mapped per pass and handed back chunk by chunk (map_tensor_file)."""
+
+    def __init__(self, headers: _WrittenHeaders):
+        self.headers = headers
+        self.kept: Dict[tuple, tuple] = {}  # (device, inode) -> (size, data offset, header, names, views)
+
+    def map(self, path: str, names: List[str]) -> tuple:
+        """map_tensor_file(path, names), through a kept map when the file is small and still laid out alike."""
+        info = self.headers.info(path)
+        st = os.lstat(path)
+        if st.st_size - info[1] > WHOLE_PASS_BYTES:
+            return map_tensor_file(path, names, info)
+        key, layout = (st.st_dev, st.st_ino), (st.st_size, info[1], info[0], names)
+        hit = self.kept.get(key)
+        if hit is None or hit[0] != layout:
+            if len(self.kept) >= 4:  # the reference, its spare and W_0 are what a run maps
+                self.kept.pop(next(iter(self.kept)))
+            hit = self.kept[key] = (layout, map_tensor_file(path, names, info)[0])
+        return hit[1], _keep_pages
+
+
+def _keep_pages(i: int, start: int, n: int) -> None:
+    """The release of a kept map: its pages stay mapped for the next collection."""
+
+
 class _ReferenceStore:
     """The weights on disk that changes are measured against: last_checkpoint (the previous collection),
     initial_weights (W_0 of drift, written once, at the hook's first call) and last_checkpoint's .spare,
@@ -3323,6 +3356,7 @@ class _ReferenceStore:
         self.suffix = ".safetensors"  # set by the ranks: .rank{r}.safetensors when sharded
         self.initial_pending = config.track_update_ratio  # W_0 is kept at the first call
         self.headers = _WrittenHeaders()
+        self.maps = _KeptMaps(self.headers)
 
     @property
     def checkpoint(self) -> str:
@@ -3389,7 +3423,7 @@ class _ReferenceStore:
             reference, c.reference_step = self.usable(named)
             initial = self.initial_for(named, step) if cfg.track_update_ratio else None
             changes = self._stream_while_writing(named, step, lambda: streamed_weight_changes(
-                named, reference, initial, thresholds, rel, detail, file_info=self.headers.info))
+                named, reference, initial, thresholds, rel, detail, mapper=self.maps.map))
             if keep_previous and reference is not None:
                 c.previous_reference = self._previous(named, step)
             rows = [changes[k] if k in changes else torch.zeros(shape) for k, shape in shapes.items()]

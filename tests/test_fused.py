@@ -213,3 +213,30 @@ def test_a_forked_child_keeps_ready_kernels_and_drops_a_compile_in_flight():
     assert fused.ready(ready) is telemetry._change_sums
     assert fused.ready(flying) is None and "forked" in fused.kernels[flying]
     assert not fused.compiling and fused.busy.acquire(blocking=False)
+
+
+def test_kept_maps_show_rewrites_in_place_and_map_a_new_layout_afresh(tmp_path):
+    """A small reference stays mapped between collections: the map shows what write_tensor_file rewrote in
+    place (the spare's inode comes back as the reference every other write), and a file laid out otherwise
+    is mapped anew."""
+    maps = telemetry._KeptMaps(telemetry._WrittenHeaders())
+    path = str(tmp_path / "ref")
+
+    def write(value, names=("a", "b")):
+        telemetry.write_tensor_file(path, [(n, torch.full((1000,), float(value))) for n in names])
+
+    for value in (1, 2):
+        write(value)
+    inode = os.stat(path).st_ino
+    first, _ = maps.map(path, ["a", "b"])
+    for value in (3, 4):  # the reference alternates between two inodes: back to the mapped one
+        write(value)
+    assert os.stat(path).st_ino == inode
+    again, release = maps.map(path, ["a", "b"])
+    assert again is first and torch.equal(again[0], torch.full((1000,), 4.0))
+    release(0, 0, 1000)  # a kept map keeps its pages
+    assert torch.equal(again[1], torch.full((1000,), 4.0))
+    for value in (5, 6):
+        write(value, names=("a", "c"))
+    other, _ = maps.map(path, ["a", "c"])
+    assert other is not first and torch.equal(other[1], torch.full((1000,), 6.0))
