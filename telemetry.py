@@ -77,6 +77,8 @@ MAX_BALANCE_VALUES = 32  # above this many distinct labels, batch balance is sum
 CHUNK_BYTES = 2 << 20  # files are streamed in pieces this big: a few per thread stay in cache and bound extra RSS
 PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this runs on one thread
 MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
+WHOLE_PASS_BYTES = 16 << 20  # up to this many trainable bytes the pass takes whole tensors, list-wide
+FUSED_MIN_ELEMENTS = 1 << 14  # the compiled kernel is specialised to chunks at least this long
 # Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
 _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound: a damaged header length never allocates more
@@ -593,30 +595,60 @@ def to_host(record: Dict[str, Any]) -> Dict[str, Any]:
     All tensor leaves on a device are flattened into one float64 vector, copied once, and split back, so a
     record costs one sync however many norms it holds. Integer and bool tensors come back as int/bool.
     """
+    return host_record(record)[0]
+
+
+def host_record(record: Dict[str, Any]) -> tuple:
+    """(to_host(record), whether any float in it is NaN/Inf): one walk over the record serves both."""
     leaves: List[torch.Tensor] = []
+    _tensor_leaves(record, leaves)
+    host, nonfinite = _leaves_on_host(leaves)
+    flags = [nonfinite]
 
-    def collect(node):
+    def rebuild(node):
         if isinstance(node, torch.Tensor):
-            leaves.append(node)
-        elif isinstance(node, dict):
-            for v in node.values():
-                collect(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                collect(v)
+            return host[id(node)]
+        if isinstance(node, dict):
+            return {k: rebuild(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [rebuild(v) for v in node]
+        if isinstance(node, float) and not math.isfinite(node):
+            flags[0] = True
+        return node
 
-    collect(record)
-    if not leaves:
-        return record
+    return rebuild(record), flags[0]
+
+
+def _tensor_leaves(node: Any, leaves: List[torch.Tensor]) -> None:
+    if isinstance(node, torch.Tensor):
+        leaves.append(node)
+    elif isinstance(node, dict):
+        for v in node.values():
+            _tensor_leaves(v, leaves)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _tensor_leaves(v, leaves)
+
+
+def _leaves_on_host(leaves: List[torch.Tensor]) -> tuple:
+    """({id(leaf): its value as Python numbers}, whether a float leaf holds NaN/Inf), one copy per device.
+    Scalars of one dtype are stacked with one op, so a record of many norms costs a few ops, not one each."""
     by_device: Dict[torch.device, List[int]] = {}
     for i, t in enumerate(leaves):
         by_device.setdefault(t.device, []).append(i)
     host: Dict[int, Any] = {}
+    nonfinite = False
     for dev, idx in by_device.items():
         wide = torch.float32 if dev.type == "mps" else torch.float64  # mps has no float64
-        flat = torch.cat([leaves[i].detach().reshape(-1).to(wide) for i in idx]).cpu().tolist()
-        pos = 0
+        groups: Dict[Any, List[int]] = {}
         for i in idx:
+            groups.setdefault(leaves[i].dtype if leaves[i].dim() == 0 else i, []).append(i)
+        order = [i for members in groups.values() for i in members]
+        flat = torch.cat([torch.stack([leaves[i].detach() for i in members]).reshape(-1).to(wide)
+                          for members in groups.values()]).cpu().tolist()
+        nonfinite = nonfinite or not math.isfinite(sum(flat))  # NaN/Inf spread through the sum (or it overflowed)
+        pos = 0
+        for i in order:
             t = leaves[i]
             n = t.numel()
             chunk = flat[pos:pos + n]
@@ -626,17 +658,7 @@ def to_host(record: Dict[str, Any]) -> Dict[str, Any]:
             elif t.dtype != torch.float64:  # 9 significant digits round-trip float32 exactly, in half the text
                 chunk = [float(f"{v:.9g}") for v in chunk]
             host[id(t)] = chunk[0] if t.dim() == 0 else _reshape(chunk, list(t.shape))
-
-    def rebuild(node):
-        if isinstance(node, torch.Tensor):
-            return host[id(node)]
-        if isinstance(node, dict):
-            return {k: rebuild(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return [rebuild(v) for v in node]
-        return node
-
-    return rebuild(record)
+    return host, nonfinite
 
 
 def _reshape(flat: List[Any], shape: List[int]) -> Any:
@@ -1173,16 +1195,8 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     written through). No fsync: this is a cache that a power cut may lose; tensor_file_info refuses what
     such a cut leaves half-written, and fsync per collection would dominate its cost.
     """
-    header: Dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
-    size = 8 + len(blob) + offset
+    _, blob = tensor_file_header(named, metadata)
+    size = 8 + len(blob) + sum(t.numel() * t.element_size() for _, t in named)
     spare = path + ".spare"
     f = _open_spare(spare, size)
     target = spare if f is not None else path + ".tmp"
@@ -1208,6 +1222,20 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
             os.remove(target)
         raise
     return result
+
+
+def tensor_file_header(named: List[tuple], metadata: Optional[Dict[str, str]] = None) -> tuple:
+    """(header as tensor_file_info gives it, the header's bytes) of the safetensors file of [(name, tensor)]."""
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
+    return header, blob
 
 
 def _open_spare(spare: str, size: int) -> Any:
@@ -1361,7 +1389,7 @@ def _tensor_span(path: str, name: str, meta: Any) -> tuple:
     try:
         begin, end = meta["data_offsets"]
         shape = meta["shape"]
-        itemsize = torch.empty((), dtype=_CODE_DTYPES[meta["dtype"]]).element_size()
+        itemsize = _CODE_DTYPES[meta["dtype"]].itemsize
         ok = (all(type(v) is int and v >= 0 for v in (begin, end, *shape)) and isinstance(shape, list)
               and end - begin == math.prod(shape) * itemsize)
     except (TypeError, KeyError, ValueError):
@@ -1400,7 +1428,7 @@ def header_matches(header: Dict[str, Any], named: List[tuple]) -> bool:
         for n, t in named)
 
 
-def map_tensor_file(path: str, names: List[str]) -> tuple:
+def map_tensor_file(path: str, names: List[str], info: Optional[tuple] = None) -> tuple:
     """([tensor per name], release) over a private memory map of a safetensors file.
 
     Nothing is copied: a pass over the reference reads it once, straight from the page cache, where
@@ -1410,7 +1438,8 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
     The map is private: a stray write would change this process's copy, never the file. A file shorter
     than its header says is refused (tensor_file_info), since reading past the end of a map kills the process.
     """
-    header, base = read_tensor_header(path)  # checked against the file's size: no read past the map's end
+    # Checked against the file's size (here, or by the caller as `info`): no read past the map's end.
+    header, base = (info or tensor_file_info(path))[:2]
     metas = [header[n] for n in names]
     with open_regular(path) as f:
         try:
@@ -1422,7 +1451,7 @@ def map_tensor_file(path: str, names: List[str]) -> tuple:
     for meta in metas:
         dtype = _CODE_DTYPES[meta["dtype"]]
         begin, end = meta["data_offsets"]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         flat = (torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // itemsize, offset=base + begin)
                 if end > begin else torch.empty(0, dtype=dtype))
         views.append(flat.view(meta["shape"]))
@@ -1483,10 +1512,141 @@ class _Scratch:
         return x if x.dtype == torch.float32 and x.device == dev else self.get(slot, dev, x.numel()).copy_(x)
 
 
+def _change_sums(w: torch.Tensor, r: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
+    """[sum (w - r)^2, sum (w - w0)^2, sum w^2] in float32: the body of the fused kernel."""
+    w, r, w0 = w.float(), r.float(), w0.float()
+    d, d0 = w - r, w - w0
+    return torch.stack([(d * d).sum(), (d0 * d0).sum(), (w * w).sum()])
+
+
+def _change_details(w: torch.Tensor, r: torch.Tensor, w0: torch.Tensor, thresholds: torch.Tensor,
+                    rel_thresholds: torch.Tensor) -> tuple:
+    """_change_sums, then for d = w - r what _ChangePass._details counts: sum d, sum |d|, max |d|,
+    #(sign w * sign r < 0), #(|d| <= t) per threshold, #(|d| <= t * |r|) per relative threshold."""
+    sums = _change_sums(w, r, w0)
+    w, r = w.float(), r.float()
+    d = w - r
+    a = d.abs()
+    return (sums, d.sum(), a.sum(), a.amax(), ((w.sign() * r.sign()) < 0).sum(),
+            (a[None, :] <= thresholds[:, None]).sum(1),
+            (a[None, :] <= r.abs()[None, :] * rel_thresholds[:, None]).sum(1))
+
+
+class _FusedKernels:
+    """The streamed pass's reductions compiled by torch.compile into one loop per chunk (C++ on the CPU,
+    Triton on a GPU): each chunk of the weights and of both files is read once and no difference is
+    written out, where eager torch writes each difference and reads it back.
+
+    Compiled once per process, on a background thread that a collection starts when it ends, so that no
+    collection waits for the compiler: until a kernel is ready the eager ops serve, and a compile that fails
+    leaves them in place for good (the failure is kept for one warning). TELEMETRY_COMPILE=0 turns this off.
+    The kernels are compiled ahead of time (aot_compile): a call never compiles, and an input they were not
+    compiled for fails their guards and goes to the eager ops. So neither dynamo's frame hook nor its
+    compile lock is involved when a pass calls them, whatever the user's own torch.compile does. A forked
+    child keeps the kernels that were ready; one that forked during a compile stays eager.
+    """
+
+    def __init__(self):
+        self.kernels: Dict[tuple, Any] = {}  # key -> the compiled callable, or the message of its failure
+        self.wanted: List[tuple] = []
+        self.busy = threading.Lock()  # the compile thread holds it; a pass calls kernels only when it is free
+        self.compiling = False
+        self.pid = os.getpid()
+
+    @staticmethod
+    def key(w: torch.Tensor, detail: bool, thresholds: int, rel_thresholds: int) -> tuple:
+        return str(w.device), w.dtype, detail, thresholds, rel_thresholds
+
+    def ready(self, key: tuple) -> Optional[Callable]:
+        """The compiled kernel for `key`, or None (then it is compiled after this collection, if it can be)."""
+        self._adopt_fork()
+        kernel = self.kernels.get(key)
+        if kernel is None and key not in self.wanted and os.environ.get("TELEMETRY_COMPILE", "1") != "0":
+            self.wanted.append(key)
+        return kernel if callable(kernel) else None
+
+    def failure(self) -> Optional[str]:
+        """Why a kernel could not be compiled, if one could not."""
+        return next((kernel for kernel in self.kernels.values() if isinstance(kernel, str)), None)
+
+    def start(self) -> None:
+        """Compile what passes asked for, on a background thread (one at a time, never in a collection)."""
+        self._adopt_fork()
+        if not self.wanted or self.compiling:
+            return
+        self.compiling = True
+        threading.Thread(target=self._compile_wanted, name="telemetry-compile", daemon=True).start()
+
+    @contextlib.contextmanager
+    def free(self):
+        """True inside when no compile is running, so that a pass may call the kernels."""
+        if not self.busy.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.busy.release()
+
+    def _compile_wanted(self) -> None:
+        with self.busy:
+            while self.wanted:
+                key = self.wanted[0]
+                try:
+                    self.kernels[key] = _compile_change_kernel(*key)
+                except Exception as exc:  # no compiler, an unsupported device or Python: eager for good
+                    self.kernels[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+                self.wanted.pop(0)
+            self.compiling = False
+
+    def _adopt_fork(self) -> None:
+        if self.pid == os.getpid():
+            return
+        self.pid, self.busy = os.getpid(), threading.Lock()
+        if self.compiling:  # the thread that compiled is not in this process
+            for key in self.wanted:
+                self.kernels[key] = "the process forked while the kernel was compiled"
+            self.compiling = False
+        self.wanted = []
+
+
+def _compile_change_kernel(device: str, dtype: torch.dtype, detail: bool, thresholds: int,
+                           rel_thresholds: int) -> Callable:
+    """The fused kernel for chunks of this device and dtype, compiled now (seconds) by a first call on
+    chunk-sized inputs and checked against the eager body. Lengths are dynamic, so one kernel serves every
+    chunk of FUSED_MIN_ELEMENTS or more; on the CPU it is single-threaded, as the pass runs one per thread."""
+    # cpp_wrapper: the compiled call runs in C++ without the GIL, so the pass's threads compute side by side.
+    options = {"cpp.threads": 1, "compile_threads": 1, "cpp_wrapper": True} if device.startswith("cpu") else {}
+    body = _change_details if detail else _change_sums
+    n = max(CHUNK_BYTES // dtype.itemsize, FUSED_MIN_ELEMENTS)
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(n, generator=gen).to(device, dtype) for _ in range(3)]
+    if detail:
+        args += [torch.linspace(0, 1, thresholds).to(device), torch.linspace(0, 1, rel_thresholds).to(device)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread's count, which the kernel guards on: a pass calls it on one
+    try:
+        with torch.no_grad():
+            # Compiled ahead of its calls: a call checks the guards and raises on a mismatch, where the
+            # plain compiled function would compile again, inside a collection.
+            kernel = torch.compile(body, dynamic=True, fullgraph=True, options=options).aot_compile((tuple(args), {}))
+            got, want = kernel(*args), body(*args)
+    finally:
+        torch.set_num_threads(threads)
+    got, want = (got, want) if detail else ((got,), (want,))
+    if not all(torch.allclose(g.double(), e.double(), rtol=1e-4) for g, e in zip(got, want)):
+        raise RuntimeError("the compiled kernel disagrees with the eager ops")
+    return kernel
+
+
+_FUSED = _FusedKernels()
+
+
 @dataclass
 class _ChangePass:
-    """The sums of one streamed pass over chunks of the weights, their reference and their initial values
-    (see streamed_weight_changes). accumulate() may run on several threads, each over its own chunks."""
+    """The sums of one streamed pass over the weights, their reference and their initial values (see
+    streamed_weight_changes): over whole tensors with list-wide ops, or chunk by chunk, where accumulate()
+    may run on several threads, each over its own chunks, through the fused kernels where they are ready."""
     flats: List[torch.Tensor]
     refs: Optional[List[torch.Tensor]]
     release_ref: Optional[Callable]
@@ -1496,23 +1656,30 @@ class _ChangePass:
     thresholds: List[float]
     rel_thresholds: List[float]
     wide: torch.dtype  # float64, or float32 on mps
+    kernels: List[Optional[Callable]] = dataclasses.field(default_factory=list)  # per tensor; empty: eager
+    limits: Optional[tuple] = None  # (thresholds, rel_thresholds) as float32 tensors, for the kernels
 
     def zeros(self) -> Dict[str, List[torch.Tensor]]:
         def each(dtype, *shape):
             return [torch.zeros(shape, dtype=dtype, device=w.device) for w in self.flats]
         keys = (["weight_sq"] + (["delta_sq"] if self.refs is not None else [])
                 + (["drift_sq"] if self.inits is not None else []))
-        acc = {k: each(torch.float32) for k in keys}
+        acc = {k: each(self.wide) for k in keys}
         if self.detail:
             acc.update(l1=each(self.wide), sum=each(self.wide), max_abs=each(self.wide), flips=each(torch.int64),
                        below=each(torch.int64, len(self.thresholds)),
                        below_rel=each(torch.int64, len(self.rel_thresholds)))
         return acc
 
+    @torch.no_grad()  # per thread (grad mode is thread-local): the kernels were compiled without autograd
     def accumulate(self, part: List[tuple]) -> Dict[str, List[torch.Tensor]]:
         """The sums over the chunks (tensor index, start, elements) of `part`, with scratch buffers of its own."""
+        if any(self.kernels) and torch.get_num_threads() != 1:
+            torch.set_num_threads(1)  # a new thread's own count: the kernels were compiled (and guard) for one
         acc, scratch = self.zeros(), _Scratch()
         for i, start, n in part:
+            if self.kernels and self.kernels[i] is not None and n >= FUSED_MIN_ELEMENTS and self._fused(acc, i, start, n):
+                continue
             dev = self.flats[i].device
             wc = scratch.as_float(self.flats[i][start:start + n], "w", dev)
             acc["weight_sq"][i] += torch.dot(wc, wc)
@@ -1529,6 +1696,62 @@ class _ChangePass:
                 acc["drift_sq"][i] += torch.dot(d0, d0)
                 self.release_init(i, start, n)
         return acc
+
+    def _fused(self, acc, i: int, start: int, n: int) -> bool:
+        """Add a chunk's sums through the fused kernel; False (nothing added) when its guards refuse the
+        inputs, and the eager ops then serve this tensor. Only with both files: one tensor passed for two
+        inputs is not what the kernel was compiled for."""
+        w = self.flats[i][start:start + n]
+        r = self.refs[i].view(-1)[start:start + n].to(w.device)
+        r0 = self.inits[i].view(-1)[start:start + n].to(w.device)
+        try:
+            out = self.kernels[i](w, r, r0, *self.limits) if self.detail else (self.kernels[i](w, r, r0),)
+        except RuntimeError:  # a guard failed (another stride, dtype or state): nothing was computed
+            self.kernels[i] = None
+            return False
+        for k, key in enumerate(("delta_sq", "drift_sq", "weight_sq")):
+            acc[key][i] += out[0][k]
+        if self.detail:
+            for key, value in zip(("sum", "l1"), out[1:3]):
+                acc[key][i] += value
+            acc["max_abs"][i] = torch.maximum(acc["max_abs"][i], out[3].to(self.wide))
+            for key, value in zip(("flips", "below", "below_rel"), out[4:]):
+                acc[key][i] += value
+        self.release_ref(i, start, n)
+        self.release_init(i, start, n)
+        return True
+
+    def whole(self) -> Dict[str, torch.Tensor]:
+        """The same sums over whole tensors, with one list-wide (torch._foreach_*) op per quantity rather than
+        several ops per chunk: for small models, whose fixed cost per op dominates. The differences of the
+        whole model are materialised, one at a time, which is why this is for small models only."""
+        device = self.flats[0].device
+        ws = _floats_on(self.flats, device)
+        out = {"weight_sq": _squared_norms(ws)}
+        if self.refs is not None:
+            rs = _floats_on([r.view(-1) for r in self.refs], device)
+            d = torch._foreach_sub(ws, rs)
+            out["delta_sq"] = _squared_norms(d)
+            if self.detail:
+                acc, scratch = self.zeros(), _Scratch()
+                for i in range(len(ws)):
+                    self._details(acc, i, ws[i], rs[i], d[i], scratch)
+                out.update({k: torch.stack([v.to(device) for v in acc[k]]) for k in _DETAIL_KEYS})
+            del d, rs
+        if self.inits is not None:
+            out["drift_sq"] = _squared_norms(torch._foreach_sub(ws, _floats_on([r.view(-1) for r in self.inits],
+                                                                             device)))
+        return out
+
+    def combine(self, accs: List[Dict[str, List[torch.Tensor]]], device: torch.device) -> Dict[str, torch.Tensor]:
+        """The parts' sums added up (max for max_abs), as vectors [tensors] on `device`."""
+        acc = {k: [functools.reduce(torch.maximum if k == "max_abs" else torch.add, per_tensor)
+                   for per_tensor in zip(*(a[k] for a in accs))] for k in accs[0]}
+        out = {k: torch.stack([v.to(device) for v in values]) for k, values in acc.items()}
+        for key in ("weight_sq", "delta_sq", "drift_sq"):
+            if key in out:
+                out[key] = out[key].float()
+        return out
 
     def _details(self, acc, i: int, wc: torch.Tensor, rc: torch.Tensor, d: torch.Tensor, scratch: _Scratch) -> None:
         # Counts come from s = sign(x) in {-1, 0, 1}: #(s < 0) = (s.s - sum s) / 2, exact in float32 for a
@@ -1550,13 +1773,27 @@ class _ChangePass:
                 for t in self.rel_thresholds]).long()
 
 
+_DETAIL_KEYS = ("l1", "sum", "max_abs", "flips", "below", "below_rel")
+
+
+def _floats_on(tensors: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+    return [t if t.dtype == torch.float32 and t.device == device else t.to(device, torch.float32) for t in tensors]
+
+
+def _squared_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm(tensors, 2)).square() if tensors else torch.zeros(0)
+
+
 def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = None,
                             initial_path: Optional[str] = None, thresholds: List[float] = (),
-                            rel_thresholds: List[float] = (), detail: bool = False) -> Dict[str, torch.Tensor]:
+                            rel_thresholds: List[float] = (), detail: bool = False,
+                            mapper: Optional[Callable[[str, List[str]], tuple]] = None,
+                            fused: bool = True) -> Dict[str, torch.Tensor]:
     """Every per-tensor quantity of the weight-change sections from ONE pass over the weights: the
     reference and the initial weights are streamed side by side in CHUNK_BYTES pieces, each file once,
     and each chunk of the weights is read once for all of them (into reused scratch buffers, so the extra
-    memory is a few chunks whatever the model's size).
+    memory is a few chunks whatever the model's size). Models of up to WHOLE_PASS_BYTES are taken whole,
+    with list-wide ops; larger ones go through the fused kernels (see _FusedKernels) once they are ready.
 
     With w the current weights, r the reference (previous collection) and w0 the initial weights, for each
     tensor, as vectors [len(named)] on the first weight's device:
@@ -1566,7 +1803,9 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
       l1 = sum |d|, sum = sum d, max_abs = max |d| (float64; float32 on mps);
       flips = #(sign w * sign r < 0), below[k] = #(|d| <= thresholds[k]),
       below_rel[k] = #(|d| <= rel_thresholds[k] * |r|) (int64, [len(thresholds), tensors]).
-    Without either file, weight_sq alone comes from per_tensor_sq_norms.
+    Without either file, weight_sq alone comes from per_tensor_sq_norms. `mapper(path, names)` maps a file
+    as map_tensor_file does (the default; a caller may keep what it already checked or mapped); `fused=False`
+    keeps to the eager ops.
     """
     if not named:
         return {}
@@ -1576,20 +1815,45 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
         return {"weight_sq": per_tensor_sq_norms([w.detach() for _, w in named], device)}
     flats = [w.detach().reshape(-1) for _, w in named]
     # Both files hold the same names, shapes and dtypes as the weights (reference_matches), so chunks line up.
-    refs, release_ref = map_tensor_file(reference_path, names) if reference_path else (None, None)
-    inits, release_init = map_tensor_file(initial_path, names) if initial_path else (None, None)
+    mapper = mapper or map_tensor_file
+    refs, release_ref = mapper(reference_path, names) if reference_path else (None, None)
+    inits, release_init = mapper(initial_path, names) if initial_path else (None, None)
     sums = _ChangePass(flats, refs, release_ref, inits, release_init, detail and reference_path is not None,
                        list(thresholds), list(rel_thresholds),
                        torch.float32 if device.type == "mps" else torch.float64)
-    parts = _split_evenly(chunk_spans(flats), _pass_threads(flats))
-    accs = _concurrently(*[lambda part=part: sums.accumulate(part) for part in parts])
-    acc = {k: [functools.reduce(torch.maximum if k == "max_abs" else torch.add, per_tensor)
-               for per_tensor in zip(*(a[k] for a in accs))] for k in accs[0]}
-    out = {k: torch.stack([v.to(device) for v in values]) for k, values in acc.items()}
+    if sum(w.numel() * w.element_size() for w in flats) <= WHOLE_PASS_BYTES:
+        out = sums.whole()
+    else:
+        out = _chunked_pass(sums, device, fused)
     for key in ("below", "below_rel"):
         if key in out:
             out[key] = out[key].T.contiguous()  # [thresholds, tensors]
     return out
+
+
+def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[str, torch.Tensor]:
+    """sums over CHUNK_BYTES pieces, split over _pass_threads threads, through the fused kernels that are ready."""
+    parts = _split_evenly(chunk_spans(sums.flats), _pass_threads(sums.flats))
+    with _FUSED.free() if fused else contextlib.nullcontext(False) as free, _one_cpu_thread():
+        if free and device.type != "mps" and not torch.compiler.is_compiling():
+            _take_kernels(sums, device)
+        return sums.combine(_concurrently(*[lambda part=part: sums.accumulate(part) for part in parts]), device)
+
+
+def _take_kernels(sums: _ChangePass, device: torch.device) -> None:
+    """Give the pass the fused kernel of each tensor on `device` that is ready (asking for the others)."""
+    found: Dict[tuple, Optional[Callable]] = {}
+    both = sums.refs is not None and sums.inits is not None  # else eager: a run's first collection, no drift
+    for w in sums.flats:
+        if w.device == device and min(w.numel(), CHUNK_BYTES // w.element_size()) >= FUSED_MIN_ELEMENTS:
+            key = _FusedKernels.key(w, sums.detail, len(sums.thresholds), len(sums.rel_thresholds))
+            found[key] = found[key] if key in found else _FUSED.ready(key)
+            sums.kernels.append(found[key] if both else None)
+        else:
+            sums.kernels.append(None)
+    if sums.detail:
+        sums.limits = (torch.tensor(sums.thresholds, dtype=torch.float32, device=device),
+                       torch.tensor(sums.rel_thresholds, dtype=torch.float32, device=device))
 
 
 def _overwrite_weights(params: List[torch.Tensor], chunks: Any) -> None:
@@ -2339,9 +2603,11 @@ class _Layout:
     def by_group(self, per_tensor_sq: torch.Tensor, has: Optional[torch.Tensor] = None) -> Dict[str, Any]:
         """Per-group norms from per-tensor squared norms; with `has`, a group without any tensor that has
         a value is null rather than 0."""
-        norms = group_norms(per_tensor_sq, self.membership)
-        out: Dict[str, Any] = {"overall": norms[:self.first_partition].square().sum().sqrt()}
-        counts = self.membership.cpu() @ torch.as_tensor(has, dtype=torch.float32) if has is not None else None
+        sq = self.membership.to(per_tensor_sq.device) @ per_tensor_sq
+        # One unbind gives every group's value: an index op per group would cost a small model more.
+        overall, *norms = torch.cat([sq[:self.first_partition].sum().reshape(1), sq]).sqrt().unbind()
+        out: Dict[str, Any] = {"overall": overall}
+        counts = (self.membership.cpu() @ torch.as_tensor(has, dtype=torch.float32)).tolist() if has is not None else None
         for i, name in enumerate(self.group_names):
             out[name] = None if counts is not None and counts[i] == 0 else norms[i]
         return out
@@ -2926,10 +3192,10 @@ def layer_profile(layout: _Layout, per_tensor_sq: torch.Tensor, has: torch.Tenso
     enough to see gradients vanish towards the input, from the per-tensor norms the section computed anyway."""
     rows, index, _ = layout.rows("layer")
     device = per_tensor_sq.device
-    sums = torch.zeros(len(rows) + 1, dtype=per_tensor_sq.dtype, device=device).index_add_(
-        0, index.to(device), per_tensor_sq)
-    counts = torch.zeros(len(rows) + 1).index_add_(0, index.cpu(), has.float().cpu())
-    return {row: sums[r].sqrt() if counts[r] > 0 else None for r, row in enumerate(rows)}
+    norms = torch.zeros(len(rows) + 1, dtype=per_tensor_sq.dtype, device=device).index_add_(
+        0, index.to(device), per_tensor_sq).sqrt().unbind()
+    counts = torch.zeros(len(rows) + 1).index_add_(0, index.cpu(), has.float().cpu()).tolist()
+    return {row: norms[r] if counts[r] > 0 else None for r, row in enumerate(rows)}
 
 
 class _OptimizerSteps:
@@ -3038,6 +3304,94 @@ class _Gradients:
                             finish)
 
 
+def _stat_signature(path: str) -> tuple:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class _WrittenHeaders:
+    """The headers of the tensor files this process wrote, each with the file's stat right after the write.
+    While that stat holds, the header needs no second read and check; a file that changed underneath (its
+    size, times or inode), or that this process did not write, is read and checked (tensor_file_info)."""
+
+    def __init__(self):
+        self.known: Dict[str, tuple] = {}  # path -> (stat signature, (header, data offset, metadata))
+
+    def info(self, path: str) -> tuple:
+        """tensor_file_info(path), from memory while the file is as this process wrote it."""
+        hit = self.known.get(path)
+        if hit is not None:
+            try:
+                if _stat_signature(path) == hit[0]:
+                    return hit[1]
+            except OSError:
+                pass
+            del self.known[path]
+        return tensor_file_info(path)
+
+    def write(self, write: Callable[..., Any], path: str, named: List[tuple], meanwhile: Optional[Callable],
+              metadata: Dict[str, str]) -> Any:
+        """write(write_tensor_file, path, named, meanwhile, metadata), remembering what it wrote: the new file
+        at path and, at path.spare, the previous one when it was still as written here."""
+        previous = self._unchanged(path)
+        spare = path + ".spare"
+        self.known.pop(path, None)
+        self.known.pop(spare, None)
+        done: List[bool] = []
+
+        def tracked(*args):
+            result = write_tensor_file(*args)
+            done.append(True)
+            return result
+        result = write(tracked, path, named, meanwhile, metadata)
+        if done:
+            header, blob = tensor_file_header(named, metadata)
+            header.pop("__metadata__", None)
+            self.known[path] = (_stat_signature(path), (header, 8 + len(blob), dict(metadata)))
+            if previous is not None and os.path.lexists(spare):
+                self.known[spare] = (_stat_signature(spare), previous)
+        return result
+
+    def _unchanged(self, path: str) -> Optional[tuple]:
+        hit = self.known.get(path)
+        try:
+            return hit[1] if hit is not None and _stat_signature(path) == hit[0] else None
+        except OSError:
+            return None
+
+
+class _KeptMaps:
+    """Memory maps of small tensor files (up to WHOLE_PASS_BYTES of data) kept from one collection to the next.
+
+    Mapping a file afresh faults its pages in again at every collection, which costs a small model more
+    than reading them. A reference is rewritten in place (write_tensor_file's spare), and a map shows what
+    the file holds now, so a map stays valid while its file keeps its inode, size and header layout; anything
+    else is mapped anew. The kept pages are the page cache's own: they count in RSS without using more
+    memory. Large files are mapped per pass and handed back chunk by chunk (map_tensor_file)."""
+
+    def __init__(self, headers: _WrittenHeaders):
+        self.headers = headers
+        self.kept: Dict[tuple, tuple] = {}  # (device, inode) -> (size, data offset, header, names, views)
+
+    def map(self, path: str, names: List[str]) -> tuple:
+        """map_tensor_file(path, names), through a kept map when the file is small and still laid out alike."""
+        info = self.headers.info(path)
+        st = os.lstat(path)
+        if st.st_size - info[1] > WHOLE_PASS_BYTES:
+            return map_tensor_file(path, names, info)
+        key, layout = (st.st_dev, st.st_ino), (st.st_size, info[1], info[0], names)
+        hit = self.kept.get(key)
+        if hit is None or hit[0] != layout:
+            if len(self.kept) >= 4:  # the reference, its spare and W_0 are what a run maps
+                self.kept.pop(next(iter(self.kept)))
+            hit = self.kept[key] = (layout, map_tensor_file(path, names, info)[0])
+        return hit[1], _keep_pages
+
+
+def _keep_pages(i: int, start: int, n: int) -> None:
+    """The release of a kept map: its pages stay mapped for the next collection."""
+
+
 class _ReferenceStore:
     """The weights on disk that changes are measured against: last_checkpoint (the previous collection),
     initial_weights (W_0 of drift, written once, at the hook's first call) and last_checkpoint's .spare,
@@ -3049,6 +3403,8 @@ class _ReferenceStore:
         self.output_dir, self.config, self.files, self.warn = output_dir, config, files, warn
         self.suffix = ".safetensors"  # set by the ranks: .rank{r}.safetensors when sharded
         self.initial_pending = config.track_update_ratio  # W_0 is kept at the first call
+        self.headers = _WrittenHeaders()
+        self.maps = _KeptMaps(self.headers)
 
     @property
     def checkpoint(self) -> str:
@@ -3070,12 +3426,12 @@ class _ReferenceStore:
         path = self.initial
         if os.path.lexists(path) and self._sound(path, named, "initial", "drift restarts from here")[0]:
             return path
-        self.files.write(write_tensor_file, path, named, None, {"step": str(step)})
+        self.headers.write(self.files.write, path, named, None, {"step": str(step)})
         return path if not self.files.stopped and os.path.exists(path) else None
 
     def _sound(self, path: str, named: List[tuple], what: str, then: str) -> tuple:
         try:
-            header, _, metadata = tensor_file_info(path)
+            header, _, metadata = self.headers.info(path)
         except (OSError, ValueError) as exc:
             self.warn(f"{what}-damaged", f"telemetry: {os.path.basename(path)} is damaged ({exc}); it is "
                                          f"written again and {then}")
@@ -3088,7 +3444,7 @@ class _ReferenceStore:
         return None, None
 
     def write(self, named: List[tuple], step: int) -> None:
-        self.files.write(write_tensor_file, self.checkpoint, named, None, {"step": str(step)})
+        self.headers.write(self.files.write, self.checkpoint, named, None, {"step": str(step)})
 
     def measure(self, c: _Collection, layout: _Layout, ranks: Any, keep_previous: bool) -> Any:
         """The weight delta per group, from one streamed pass over the weights and their reference that also
@@ -3115,7 +3471,7 @@ class _ReferenceStore:
             reference, c.reference_step = self.usable(named)
             initial = self.initial_for(named, step) if cfg.track_update_ratio else None
             changes = self._stream_while_writing(named, step, lambda: streamed_weight_changes(
-                named, reference, initial, thresholds, rel, detail))
+                named, reference, initial, thresholds, rel, detail, mapper=self.maps.map))
             if keep_previous and reference is not None:
                 c.previous_reference = self._previous(named, step)
             rows = [changes[k] if k in changes else torch.zeros(shape) for k, shape in shapes.items()]
@@ -3139,11 +3495,11 @@ class _ReferenceStore:
         when the new reference was written (it holds this step), and the spare is sound and whole."""
         spare = self.checkpoint + ".spare"
         try:
-            if tensor_file_info(self.checkpoint)[2].get("step") != str(step):
+            if self.headers.info(self.checkpoint)[2].get("step") != str(step):
                 return None  # the write failed: the spare is older than the reference
+            return spare if header_matches(self.headers.info(spare)[0], named) else None
         except (OSError, ValueError):
             return None
-        return spare if reference_matches(spare, named) else None
 
     def _stream_while_writing(self, named: List[tuple], step: int, stream: Callable[[], Dict]) -> Dict:
         """stream() (the pass over the old reference) while the new reference is written: side by side for
@@ -3151,8 +3507,8 @@ class _ReferenceStore:
         The old file is replaced only after both, and a failed write (full disk) keeps stream()'s result."""
         result: List[Dict[str, torch.Tensor]] = []
         if _pass_threads([t for _, t in named]) > 1:  # large CPU models: a thread costs more than small ones save
-            self.files.write(write_tensor_file, self.checkpoint, named, lambda: result.append(stream()),
-                             {"step": str(step)})
+            self.headers.write(self.files.write, self.checkpoint, named, lambda: result.append(stream()),
+                               {"step": str(step)})
         else:
             result.append(stream())
             self.write(named, step)
@@ -3843,23 +4199,33 @@ class TrainingTelemetry:
                 c.record["custom"] = {k: v for k, v in custom.items() if v is not None}
         if c.strict_error is not None:  # strict, in lockstep: raised once every rank is past the collectives
             raise c.strict_error
-        c.record = to_host(c.record)
+        c.record, nonfinite = host_record(c.record)
         _warn_about_gradients(c.record, self._warn)
         _null_ratios_of_zero_weights(c.record)
-        if c.layout is not None and _has_nonfinite(c.record):  # rare: one more pass names the culprits
+        if c.layout is not None and nonfinite:  # rare: one more pass names the culprits
             c.add("nonfinite_params", nonfinite_params, c.layout)
         if cfg.alerts:
             c.add("alerts", self._alerts.check, c.record)
         record = c.record
         record["telemetry_ms"] = self._clock.last_ms = (time.perf_counter() - started) * 1e3
         self._silent_warn_step = -1
-        record, nonfinite = replace_nonfinite(record)
-        if nonfinite:
-            record["nonfinite"] = nonfinite
+        if nonfinite or _has_nonfinite(record.get("alerts")):  # rare: only then a second walk
+            record, paths = replace_nonfinite(record)
+            if paths:
+                record["nonfinite"] = paths
         if c.errors:
             record["errors"] = c.errors
         self._files.append(record)
+        self._after_collection()
         return record
+
+    def _after_collection(self) -> None:
+        """Start compiling the fused kernels this collection asked for: now, so that no collection waits."""
+        _FUSED.start()
+        failure = _FUSED.failure()
+        if failure is not None:
+            self._warn("compile", f"telemetry: the fused weight-pass kernel could not be compiled ({failure}); "
+                                  "the eager ops serve instead (set TELEMETRY_COMPILE=0 to skip the attempt)")
 
     def _parameter_sections(self, c: _Collection, model, optimizer, device) -> None:
         """The sections read from the parameters, in the order their data needs: the lora section reads the

@@ -1,16 +1,25 @@
 """What one collection costs, against what it must cost: the memory-bandwidth floor and the RSS rise.
 
-    python bench/collection_cost.py [--width 4096] [--layers 3] [--repeats 5]
+    python bench/collection_cost.py [--width 4096] [--layers 3] [--repeats 5] [--baseline REV]
 
 A collection reads every gradient (norms), reads every trainable weight and the on-disk reference (delta),
 writes the new reference, and (default update ratio/drift) reads W_0: 5 x the trainable bytes at least. The floor is those bytes over a copy
 bandwidth measured in this same run (dst.copy_(src) moves 2 x its size). Peak RSS is sampled by a thread
 during each collection and compared with the RSS just before it, as a share of the model's size.
 The holdout and batch stats are off: this measures the part that scales with the model.
+
+The weight pass goes through torch.compile'd fused kernels once they are compiled (on a background thread,
+after the first collection): the run waits for that compile, then alternates collections with the kernels and
+with the eager ops (side by side, same process). With --baseline REV, the first collection of a fresh
+process is timed for this telemetry.py and for the one in git revision REV, alternating child processes:
+the compile must stay off the first collection's path.
 """
 
 import argparse
+import importlib.util
+import json
 import os
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -20,7 +29,9 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import telemetry  # noqa: E402
 from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -116,77 +127,156 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
-
+def build(width, layers):
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
-    params = sum(p.numel() for p in model.parameters())
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x = torch.randn(32, args.width)
+    x = torch.randn(32, width)
 
     def step():
         optimizer.zero_grad(set_to_none=False)
         model(x).square().mean().backward()
         optimizer.step()
+    return model, optimizer, step
 
-    with tempfile.TemporaryDirectory() as out:
-        config = TelemetryConfig(output_dir=out, collect_every_n=1, track_holdout_logits=False,
-                                 track_batch_stats=False, strict=True)
-        telemetry = TrainingTelemetry(config)
+
+def config(out, module=telemetry):
+    return module.TelemetryConfig(output_dir=out, collect_every_n=1, track_holdout_logits=False,
+                                  track_batch_stats=False, strict=True)
+
+
+def wait_for_compile(timeout):
+    """Seconds until the background compile of the fused kernels ended (None: it did not within timeout)."""
+    start = time.perf_counter()
+    while telemetry._FUSED.compiling:
+        if time.perf_counter() - start > timeout:
+            return None
+        time.sleep(0.05)
+    return time.perf_counter() - start
+
+
+def timed_collections(telemetry_run, model, optimizer, step, repeats):
+    """{"fused": [...], "eager": [...]} seconds per collection, alternating, with peak RSS rises."""
+    eager = telemetry._FusedKernels()  # holds no kernel: the pass runs the eager ops
+    fused = telemetry._FUSED
+    times, rises = {"fused": [], "eager": []}, {"fused": [], "eager": []}
+    for k in range(2 * repeats):
+        mode = ("fused", "eager")[k % 2]
+        telemetry._FUSED = fused if mode == "fused" else eager
         step()
-        telemetry.on_batch_end(model, optimizer, 0, 0)  # writes the first reference
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            telemetry_run.on_batch_end(model, optimizer, 0, 0)
+            times[mode].append(time.perf_counter() - start)
+        rises[mode].append(rss.peak - rss.base)
+        telemetry._FUSED = fused
+    return times, rises
+
+
+def first_collection_child(path, width, layers):
+    """One fresh process's first collection with the telemetry.py at `path` (JSON on stdout)."""
+    spec = importlib.util.spec_from_file_location("telemetry_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, optimizer, step = build(width, layers)
+    with tempfile.TemporaryDirectory() as out:
+        run = module.TrainingTelemetry(config(out, module))
+        step()
+        start = time.perf_counter()
+        run.on_batch_end(model, optimizer, 0, 0)
+        print(json.dumps({"first_s": time.perf_counter() - start}))
+
+
+def first_collections(args):
+    """Median first-collection seconds {"this": ..., REV: ...} over alternating fresh child processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "telemetry_baseline.py")
+        with open(base, "wb") as f:
+            f.write(subprocess.run(["git", "-C", REPO, "show", f"{args.baseline}:telemetry.py"], check=True,
+                                   capture_output=True).stdout)
+        paths = {"this": os.path.join(REPO, "telemetry.py"), args.baseline: base}
+        got = {name: [] for name in paths}
+        for k in range(args.first_rounds):
+            for name in (list(paths) if k % 2 == 0 else list(paths)[::-1]):
+                out = subprocess.run([sys.executable, __file__, "--first-child", paths[name], "--width",
+                                      str(args.width), "--layers", str(args.layers)], check=True,
+                                     capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                got[name].append(json.loads(out.stdout.strip().splitlines()[-1])["first_s"])
+    return {name: statistics.median(values) for name, values in got.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile-timeout", type=float, default=600.0)
+    parser.add_argument("--baseline", help="git revision whose first collection is timed against this one")
+    parser.add_argument("--first-rounds", type=int, default=3)
+    parser.add_argument("--first-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.first_child:
+        first_collection_child(args.first_child, args.width, args.layers)
+        return 0
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"load average at the start: {open('/proc/loadavg').read().split()[0]}")
+    model, optimizer, step = build(args.width, args.layers)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with tempfile.TemporaryDirectory() as out:
+        run = TrainingTelemetry(config(out))
+        step()
+        run.on_batch_end(model, optimizer, 0, 0)  # writes the first reference; the kernels' compile starts
+        compile_s = wait_for_compile(args.compile_timeout)
         bandwidth = copy_bandwidth(256 << 20)
-        torch.set_num_threads(1)  # a collection runs on one intra-op thread (telemetry._one_cpu_thread)
-        bandwidth_one = copy_bandwidth(256 << 20)
-        torch.set_num_threads(os.cpu_count() or 1)
-        # Gradients, weights, the reference (read, then rewritten), and W_0 when drift is on: each once.
-        passes = 5 if config.track_update_ratio else 4
+        passes = 5 if run.config.track_update_ratio else 4
         floor = passes * model_bytes / bandwidth
-        times, rises = [], []
-        for _ in range(args.repeats):
-            step()
-            with PeakRss() as rss:
-                start = time.perf_counter()
-                telemetry.on_batch_end(model, optimizer, 0, 0)
-                times.append(time.perf_counter() - start)
-            rises.append(rss.peak - rss.base)
-        step_times = [_timed(step) for _ in range(args.repeats)]
+        times, rises = timed_collections(run, model, optimizer, step, args.repeats)
         threads = max(1, min(len(os.sched_getaffinity(0)), 4))  # as telemetry._pass_threads for this model
         torch.set_num_threads(1)
         ops = op_floor(list(model.parameters()), [p.grad for p in model.parameters()], threads, args.repeats)
         torch.set_num_threads(os.cpu_count() or 1)
-
-        calls = 200_000
-        skip = TrainingTelemetry(TelemetryConfig(output_dir=out, collect_every_n=10**9))
-        start = time.perf_counter()
-        for i in range(1, calls + 1):
-            skip.on_batch_end(model, optimizer, i, 0)
-        per_call_us = (time.perf_counter() - start) / calls * 1e6
-
-    collection = statistics.median(times)
-    rise = max(rises)
-    print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f}M parameters, "
-          f"{model_bytes / 2**20:.0f} MiB; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"copy bandwidth (measured here): {bandwidth / 2**30:.2f} GiB/s")
-    print(f"collection: median {collection * 1e3:.0f} ms over {args.repeats} "
-          f"(min {min(times) * 1e3:.0f}, max {max(times) * 1e3:.0f}); training step {statistics.median(step_times) * 1e3:.0f} ms")
-    print(f"bandwidth floor ({passes} x model bytes / copy bandwidth): {floor * 1e3:.0f} ms")
-    print(f"RATIO collection / floor: {collection / floor:.2f}x   (target <= 2x)")
-    print(f"  one-thread copy bandwidth {bandwidth_one / 2**30:.2f} GiB/s; "
-          f"RATIO collection / one-thread floor: {collection / (passes * model_bytes / bandwidth_one):.2f}x")
-    print(f"  op floor (the same unfused torch ops on in-memory tensors, {threads} threads, no files): "
-          f"{ops * 1e3:.0f} ms = {ops / floor:.2f}x the bandwidth floor; RATIO collection / op floor: "
-          f"{collection / ops:.2f}x")
-    print(f"RATIO peak RSS rise during a collection / model size: {rise / model_bytes:.1%}   (target < 10%)")
-    print(f"non-collecting call: {per_call_us:.2f} us   (target < 5 us)")
+        per_call_us = skipped_call_us(out, model, optimizer)
+    report(args, model_bytes, bandwidth, passes, floor, compile_s, times, rises, ops, threads, per_call_us)
+    if args.baseline:
+        first = first_collections(args)
+        print(f"first collection of a fresh process (median of {args.first_rounds}, alternating child processes): "
+              f"this {first['this'] * 1e3:.0f} ms, {args.baseline} {first[args.baseline] * 1e3:.0f} ms; "
+              f"RATIO this / {args.baseline}: {first['this'] / first[args.baseline]:.2f}x   (target <= 1.10x)")
+    print(f"load average at the end: {open('/proc/loadavg').read().split()[0]}")
     return 0
+
+
+def skipped_call_us(out, model, optimizer, calls=200_000):
+    skip = TrainingTelemetry(TelemetryConfig(output_dir=os.path.join(out, "skip"), collect_every_n=10**9))
+    start = time.perf_counter()
+    for i in range(1, calls + 1):
+        skip.on_batch_end(model, optimizer, i, 0)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def report(args, model_bytes, bandwidth, passes, floor, compile_s, times, rises, ops, threads, per_call_us):
+    params = model_bytes / 4
+    print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f}M parameters, "
+          f"{model_bytes / 2**20:.0f} MiB; torch {torch.__version__}")
+    print(f"fused kernels: {'compiled in the background in %.1f s' % compile_s if compile_s is not None else 'not ready'}"
+          f" {sorted(str(k) for k in telemetry._FUSED.kernels)}; failure: {telemetry._FUSED.failure()}")
+    print(f"copy bandwidth (measured here): {bandwidth / 2**30:.2f} GiB/s; "
+          f"bandwidth floor ({passes} x model bytes / copy bandwidth): {floor * 1e3:.0f} ms")
+    for mode in ("fused", "eager"):
+        median = statistics.median(times[mode])
+        print(f"collection, {mode}: median {median * 1e3:.0f} ms over {args.repeats} (min {min(times[mode]) * 1e3:.0f},"
+              f" max {max(times[mode]) * 1e3:.0f}); RATIO collection / floor: {median / floor:.2f}x"
+              f"{'   (target <= 1.3x)' if mode == 'fused' else ''}; collection / op floor {median / ops:.2f}x; "
+              f"peak RSS rise {max(rises[mode]) / model_bytes:.1%} of the model")
+    fused, eager = statistics.median(times["fused"]), statistics.median(times["eager"])
+    print(f"RATIO fused / eager (alternated in one process): {fused / eager:.2f}x")
+    print(f"  op floor (the same unfused torch ops on in-memory tensors, {threads} threads, no files): "
+          f"{ops * 1e3:.0f} ms = {ops / floor:.2f}x the bandwidth floor")
+    print(f"RATIO peak RSS rise during a collection / model size: "
+          f"{max(rises['fused'] + rises['eager']) / model_bytes:.1%}   (target < 10%)")
+    print(f"non-collecting call: {per_call_us:.2f} us   (target < 5 us)")
 
 
 if __name__ == "__main__":

@@ -529,6 +529,71 @@ def run_child(workload, config, interval, steps, warmup):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def toggles(config, wl, interval):
+    """(pause, resume) for configurations whose cost is not only in the hook: wandb.watch hooks the model's
+    backward, so its off blocks unwatch the model and its on blocks watch it again (outside the timed steps)."""
+    if config not in ("wandb_all", "wandb_gradients"):
+        return None, None
+    import wandb
+
+    return (lambda: wandb.unwatch(wl.model),
+            lambda: wandb.watch(wl.model, log=config.split("_")[1], log_freq=interval))
+
+
+def block_steps(wl, hook, first, block):
+    """Seconds of each of `block` training steps from step first + 1, the hook called after each when given."""
+    times = []
+    for step in range(first + 1, first + block + 1):
+        batch = wl.batches[step % len(wl.batches)]
+        t0 = time.perf_counter()
+        loss, _ = wl.loss_fn(wl.model, batch)
+        loss.backward()
+        wl.opt.step()
+        if hook is not None:
+            hook(step, batch, loss)
+        wl.opt.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_blocks(workload, config, interval, block, rounds):
+    """The configuration on and off in alternating blocks of `block` steps in this one process: the ratio of
+    each round's mean step time with it on to that of its off block next to it, whose order alternates. One
+    process, one model, one warm cache: the process-to-process spread of whole-run step times drops out."""
+    import torch
+
+    tmp = tempfile.mkdtemp(prefix=f"bench-blocks-{workload}-{config}-")
+    try:
+        wl = build_workload(workload)
+        setup = setup_config(config, interval, wl, tmp)
+        wl.opt = wl.opt_factory(wl.model.parameters())
+        pause, resume = toggles(config, wl, interval)
+        ratios, extra_ms, on_ms, off_ms, step = [], [], [], [], 0
+        for r in range(rounds + 1):  # round 0 warms up (the first collection writes the references)
+            means = {}
+            for on in ((True, False) if r % 2 else (False, True)):
+                if on and resume:
+                    resume()
+                elif not on and pause:
+                    pause()
+                means[on] = statistics.median(block_steps(wl, setup.hook if on else None, step, block))
+                step += block
+            if r:
+                ratios.append(means[True] / means[False])
+                extra_ms.append(1e3 * (means[True] - means[False]))
+                on_ms.append(1e3 * means[True])
+                off_ms.append(1e3 * means[False])
+        setup.close()
+        return {"workload": workload, "config": config, "interval": interval, "block": block, "rounds": rounds,
+                "status": "ok", "ratio_median": statistics.median(ratios), "ratios": ratios,
+                "extra_ms_median": statistics.median(extra_ms), "step_on_ms": statistics.median(on_ms),
+                "step_off_ms": statistics.median(off_ms), "torch": torch.__version__,
+                "load_end": open("/proc/loadavg").read().split()[0]}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 # =====================================================================================================
 # The plan, the scheduler and the report (parent side)
 # =====================================================================================================
@@ -1117,7 +1182,15 @@ def main():
     p.add_argument("--measured-command", help=argparse.SUPPRESS)  # with --from-json: the run's own command
     p.add_argument("--total-min", type=float, help=argparse.SUPPRESS)  # with --from-json: the run's duration
     p.add_argument("--no-analyze", action="store_true", help="skip the analyze_telemetry.py timing")
+    p.add_argument("--blocks", nargs=5, metavar=("WORKLOAD", "CONFIG", "INTERVAL", "BLOCK", "ROUNDS"),
+                   help="in one process, the configuration on and off in alternating blocks of BLOCK steps; "
+                        "prints one JSON line (median per-block step ratio)")
     args = p.parse_args()
+    if args.blocks:
+        sys.path.insert(0, REPO)
+        workload, config, interval, block, rounds = args.blocks
+        print(json.dumps(run_blocks(workload, config, int(interval), int(block), int(rounds))), flush=True)
+        return
     if args.child:
         sys.path.insert(0, REPO)
         workload, config, interval, steps = args.child

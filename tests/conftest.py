@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# The fused weight-pass kernels compile on a background thread for seconds of CPU: only the tests of the
+# fused path turn them on (tests/test_fused.py), so the other tests measure the eager path they were written for.
+os.environ.setdefault("TELEMETRY_COMPILE", "0")
 
 
 @pytest.fixture(autouse=True)
@@ -14,12 +20,14 @@ def one_thread():
 
 @pytest.fixture(params=[1, 3], ids=["one-thread", "three-threads"])
 def pass_threads(request, monkeypatch):
-    """Runs a test with the memory-bound passes on one thread, and again split over three threads in small
-    chunks, whatever the model's size, so the split and the combination of the parts are what is tested."""
+    """Runs a test with the memory-bound passes on one thread (the weight pass over whole tensors, as for any
+    small model), and again split over three threads in small chunks, whatever the model's size, so the
+    chunked pass, the split and the combination of the parts are what is tested."""
     import telemetry
 
     if request.param > 1:
         monkeypatch.setattr(telemetry, "CHUNK_BYTES", 256)
+        monkeypatch.setattr(telemetry, "WHOLE_PASS_BYTES", 0)
         monkeypatch.setattr(telemetry, "_pass_threads",
                             lambda tensors: request.param if all(t.device.type == "cpu" for t in tensors) else 1)
     return request.param

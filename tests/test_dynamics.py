@@ -253,14 +253,14 @@ def test_zero_weights_give_a_null_ratio_not_an_infinity(tmp_path):
 def test_one_streamed_pass_serves_every_weight_section(tmp_path, monkeypatch):
     """The default-on update ratio must not add a pass: each reference file is streamed once per collection."""
     opened = []
-    real = telemetry.map_tensor_file
+    real = telemetry._KeptMaps.map
 
-    def counting(path, names):
+    def counting(self, path, names):
         opened.append(os.path.basename(path))
-        return real(path, names)
+        return real(self, path, names)
 
-    # Every read of a reference goes through map_tensor_file, so counting its opens finds a second pass.
-    monkeypatch.setattr(telemetry, "map_tensor_file", counting)
+    # Every read of a reference in a collection goes through the store's maps, so counting them finds a second pass.
+    monkeypatch.setattr(telemetry._KeptMaps, "map", counting)
     model = Blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tel = TrainingTelemetry(config(tmp_path, track_param_change=True))
