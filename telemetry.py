@@ -1735,7 +1735,8 @@ class _ChangePass:
             if self.detail:
                 acc, scratch = self.zeros(), _Scratch()
                 for i in range(len(ws)):
-                    self._details(acc, i, ws[i], rs[i], d[i], scratch)
+                    if ws[i].numel():   # an empty shard adds nothing (and has no max)
+                        self._details(acc, i, ws[i], rs[i], d[i], scratch)
                 out.update({k: torch.stack([v.to(device) for v in acc[k]]) for k in _DETAIL_KEYS})
             del d, rs
         if self.inits is not None:
