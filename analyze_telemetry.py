@@ -2110,6 +2110,49 @@ STAGES = (
     # inputs show in both), so it comes first and takes the stalled loss under it.
     ("holdout_at_chance", "loss_stalled", "overfitting", "forgetting"),
 )
+# Every finding code with the severities its check gives it, where it comes from (this file's checks, or
+# telemetry.py's alerts while training) and what it means. The README's table is tested against it, and
+# tests/test_readme.py checks that every code this file or telemetry.py emits is here. A cause also takes
+# the highest severity among the findings it explains.
+FINDINGS = {
+    "section_failed": (("critical",), "analyzer", "a telemetry section failed at every collection, so the "
+                       "run has none of it (the records' errors name why)"),
+    "missing_gradients": (("warning", "critical"), "analyzer", "gradients absent when the hook ran: it was "
+                          "called after zero_grad, or a group never gets a gradient"),
+    NOT_IN_OPTIMIZER: (("warning",), "analyzer", "trainable tensors that no optimizer group holds: they never "
+                       "change"),
+    "frozen_parameters": (("warning", "critical"), "analyzer", "requires_grad is off for a share of a group "
+                          "whose learning rate is above 0"),
+    "lora_not_learning": (("critical",), "analyzer", "a LoRA adapter stays at zero (B never leaves 0)"),
+    "lr_zero": (("warning", "critical"), "both", "a group's learning rate is 0 while others train"),
+    "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
+    "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
+                         "fingerprints)"),
+    "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),
+    "class_imbalance": (("warning",), "analyzer", "the batches' label shares are far from even, or from the "
+                        "holdout's"),
+    "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights"),
+    "loss_diverging": (("warning",), "analyzer", "the training loss grows over the run"),
+    "loss_spike": (("warning",), "both", "the loss jumps far outside its rolling noise band"),
+    "exploding_gradients": (("warning",), "analyzer", "the gradient norm jumps to many times its median"),
+    "grad_spike": (("warning",), "telemetry", "alert: the gradient norm far outside its rolling noise band"),
+    "grad_explosion": (("critical",), "telemetry", "alert: the gradient norm many times its rolling median"),
+    "loss_oscillating": (("warning",), "analyzer", "the loss swings up and down instead of falling"),
+    "dead_units": (("warning",), "analyzer", "ReLU units that never fire on the holdout"),
+    "saturated_units": (("warning",), "analyzer", "tanh/sigmoid units stuck at their limits on the holdout"),
+    "vanishing_gradients": (("warning",), "analyzer", "the first layers' gradients are tiny against the last "
+                            "ones'"),
+    "frozen_group": (("warning", "critical"), "both", "a group stands still while others move, for a reason "
+                     "the records do not name"),
+    "holdout_at_chance": (("critical",), "analyzer", "the holdout's accuracy or loss stays at chance"),
+    "loss_stalled": (("warning",), "analyzer", "the training loss stopped falling well above where it "
+                     "could be"),
+    "overfitting": (("warning",), "analyzer", "the holdout loss rises from its best while the training loss "
+                    "falls"),
+    "forgetting": (("info", "warning"), "analyzer", "holdout examples once right turn wrong (churn near the "
+                   "decision boundary is info)"),
+    "metric_errors": (("warning",), "analyzer", "a section or custom metric failed at some collections"),
+}
 BLOWUPS = STAGES[2]   # events in time: they explain only what starts at or after them
 _AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("not_learning",) + STAGES[4]
 # Parameters that cannot train leave the rest of the model to learn what it can: it may not be enough.

@@ -1,4 +1,4 @@
-"""The seed's scenario on synthetic data: a siamese pairwise "winner" model with telemetry.
+"""A worked example on synthetic data: a siamese pairwise "winner" model with telemetry.
 
 Two images go through a shared backbone; a head reads both embeddings and predicts which one wins
 (winner 0 or 1). The backbone trains at 1x and the head at 10x the learning rate, in two named param

@@ -1041,7 +1041,12 @@ def machine_lines():
 
     return [f"- nproc {os.cpu_count()}, CPU {cpu}, {mem}, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}",
-            f"- bench venv `{sys.executable}`: torch {torch.__version__}"]
+            f"- bench venv `{repo_relative(sys.executable)}`: torch {torch.__version__}"]
+
+
+def repo_relative(path: str) -> str:
+    """A path inside the repository as it reads from the repo root: RESULTS.md names no machine's paths."""
+    return os.path.relpath(path, REPO) if os.path.abspath(path).startswith(REPO + os.sep) else path
 
 
 def parent(args):
@@ -1116,7 +1121,7 @@ def report(args, results, repeats, analyze, total):
                 extra.append(f"- LoRA {h_} naive (full state dict save/load): {s['collect_ms']:.1f} ms per collection")
     ck = [s for k, s in summary.items() if k[0] == "cnn@cockpit"]
     if ck:
-        extra.append(f"- Cockpit runs in {COCKPIT_PYTHON} (torch {ck[0].get('torch')}): its ratios are against a bare "
+        extra.append(f"- Cockpit runs in {repo_relative(COCKPIT_PYTHON)} (torch {ck[0].get('torch')}): its ratios are against a bare "
                      "loop measured in that venv")
     tl = targets(summary)
     target_lines = [f"- {'n/a' if ok is None else 'n/a (within noise)' if ok == 'noise' else verdict(ok)} {text}"
@@ -1137,8 +1142,7 @@ def report(args, results, repeats, analyze, total):
     out = args.out or (None if args.quick else os.path.join(BENCH_DIR, "RESULTS.md"))
     if out:
         cmd = args.measured_command or " ".join(
-            [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else sys.executable,
-             "bench/compare.py"] + sys.argv[1:])
+            [repo_relative(sys.executable), "bench/compare.py"] + sys.argv[1:])
         shas = sorted({r["telemetry_sha1"] for r in results if r.get("telemetry_sha1")})
         head = subprocess.run(["git", "-C", REPO, "log", "-1", "--format=%h %ad", "--date=format:%Y-%m-%d %H:%M",
                                "--", "telemetry.py"], capture_output=True, text=True).stdout.strip()
