@@ -1636,36 +1636,41 @@ def _holdout_loss_rise(h: Holdout):
     corpus runs reach 3.4, the overfitting ones thousands, their holdout loss climbing smoothly). The
     margin is 20% of the best: the corpus calls a run healthy while its test loss stays within 1.2x of its
     best, and overfit from 1.3x."""
-    ok = np.isfinite(h.loss)
-    x, st = h.loss[ok], h.steps[ok]
-    if len(x) < 5:
+    found = _best_and_end(h.loss, h.steps, np.argmin)
+    if found is None:
         return None
-    sm = _smooth3(x)
-    b = int(np.argmin(sm))
-    best, end = float(sm[b]), float(np.median(x[-3:]))
-    if st[-1] - st[b] < 0.2 * max(st[-1] - st[0], 1):
-        return None
+    best, end, where, x = found
     wobble = _noise_sd(x[len(x) // 2:])
     if end - best < max(6 * wobble, 0.2 * abs(best), 1e-12):
         return None
-    return (f"holdout loss rose from its best {_fmt(best)} at step {int(st[b])} to {_fmt(end)} ({end / best:.2f}x; "
+    return (f"holdout loss rose from its best {_fmt(best)} at step {where[0]} to {_fmt(end)} ({end / best:.2f}x; "
             f"its collection-to-collection wobble is {_fmt(wobble)})" if best > 0 else
-            f"holdout loss rose from its best {_fmt(best)} at step {int(st[b])} to {_fmt(end)}"), [int(st[b]), int(st[-1])]
+            f"holdout loss rose from its best {_fmt(best)} at step {where[0]} to {_fmt(end)}"), where
 
 
 def _holdout_accuracy_fall(h: Holdout, n: int):
     """(reason, [steps]) when holdout accuracy fell from its best beyond 3 binomial sigmas (the best of many
     noisy evaluations sits above the truth, hence 3) and by 5 points."""
-    ok = np.isfinite(h.accuracy)
-    x, st = h.accuracy[ok], h.steps[ok]
+    found = _best_and_end(h.accuracy, h.steps, np.argmax)
+    if found is None or found[0] - found[1] < max(0.05, 3 * _sigma(found[0], n)):
+        return None
+    best, end, where, _ = found
+    return f"holdout accuracy fell from its best {best:.3f} at step {where[0]} to {end:.3f}", where
+
+
+def _best_and_end(values, steps, pick):
+    """(best, end, [step of the best, last step], the finite values) of a holdout series: the best of its
+    3-point smoothing (`pick` is np.argmin or np.argmax) and the median of its last three. None with fewer
+    than 5 values, or when the best lies in the last fifth of the run: nothing has had time to fall from it."""
+    ok = np.isfinite(values)
+    x, st = values[ok], steps[ok]
     if len(x) < 5:
         return None
     sm = _smooth3(x)
-    b = int(np.argmax(sm))
-    best, end = float(sm[b]), float(np.median(x[-3:]))
-    if st[-1] - st[b] < 0.2 * max(st[-1] - st[0], 1) or best - end < max(0.05, 3 * _sigma(best, n)):
+    b = int(pick(sm))
+    if st[-1] - st[b] < 0.2 * max(st[-1] - st[0], 1):
         return None
-    return f"holdout accuracy fell from its best {best:.3f} at step {int(st[b])} to {end:.3f}", [int(st[b]), int(st[-1])]
+    return float(sm[b]), float(np.median(x[-3:])), [int(st[b]), int(st[-1])], x
 
 
 def check_overfitting(run: Run) -> list:

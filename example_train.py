@@ -195,6 +195,18 @@ def train_lora(out: str = os.path.join("runs", "lora"), max_steps: int = 300, co
         torch.set_num_threads(threads)
 
 
+def lora_plus_optimizer(model: nn.Module, lora_lr: float, head_lr: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable tensors in named groups lora_A, lora_B (LoRA+ style: B learns 4x faster than
+    A) and lm_head; named, so every group's lr shows in the records."""
+    groups: dict = {"lora_A": [], "lora_B": [], "lm_head": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups["lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "lm_head"].append(p)
+    return torch.optim.AdamW([{"params": groups["lora_A"], "lr": lora_lr, "name": "lora_A"},
+                              {"params": groups["lora_B"], "lr": 4 * lora_lr, "name": "lora_B"},
+                              {"params": groups["lm_head"], "lr": head_lr, "name": "lm_head"}], weight_decay=0.0)
+
+
 def _train_lora(out, max_steps, collect_every_n, seed, quiet, get_peft_model, LoraConfig, LlamaForCausalLM,
                 Trainer, TrainingArguments):
     # A Trainer run starts again at step 1: start the run directory afresh too, rather than append to it.
@@ -208,14 +220,7 @@ def _train_lora(out, max_steps, collect_every_n, seed, quiet, get_peft_model, Lo
                            LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS,
                                       modules_to_save=["lm_head"]))
     lr = 5e-3
-    groups: dict = {"lora_A": [], "lora_B": [], "lm_head": []}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            groups["lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "lm_head"].append(p)
-    # LoRA+ style: B learns 4x faster than A. Named groups, so every group's lr shows in the records.
-    optimizer = torch.optim.AdamW([{"params": groups["lora_A"], "lr": lr, "name": "lora_A"},
-                                   {"params": groups["lora_B"], "lr": 4 * lr, "name": "lora_B"},
-                                   {"params": groups["lm_head"], "lr": lr, "name": "lm_head"}], weight_decay=0.0)
+    optimizer = lora_plus_optimizer(model, lr, lr)
     telemetry = TrainingTelemetry(TelemetryConfig(
         output_dir=out, collect_every_n=collect_every_n, holdout_size=64, batch_label_key="labels",
         holdout_token_ids=[CHAR_IDS[d] for d in "0123456789"]))

@@ -158,7 +158,7 @@ def train_lora(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
-    from example_train import CHAR_IDS, LORA_TARGETS, ArithmeticDataset, tiny_llama_config
+    from example_train import CHAR_IDS, LORA_TARGETS, ArithmeticDataset, lora_plus_optimizer, tiny_llama_config
 
     torch.manual_seed(seed)
     model = get_peft_model(LlamaForCausalLM(tiny_llama_config()),
@@ -167,13 +167,7 @@ def train_lora(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
     lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
     lora_start = {n: p.detach().clone() for n, p in lora.items()}
     lr, lora_lr = spec["lr"], spec.get("lora_lr", spec["lr"])
-    groups: Dict[str, list] = {"lora_A": [], "lora_B": [], "lm_head": []}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            groups["lora_A" if "lora_A" in name else "lora_B" if "lora_B" in name else "lm_head"].append(p)
-    optimizer = torch.optim.AdamW([{"params": groups["lora_A"], "lr": lora_lr, "name": "lora_A"},
-                                   {"params": groups["lora_B"], "lr": 4 * lora_lr, "name": "lora_B"},
-                                   {"params": groups["lm_head"], "lr": lr, "name": "lm_head"}], weight_decay=0.0)
+    optimizer = lora_plus_optimizer(model, lora_lr, lr)
     steps = spec["steps"]
     every = collect_every(steps)
     telemetry = TrainingTelemetry(TelemetryConfig(
