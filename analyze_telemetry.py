@@ -1721,10 +1721,10 @@ def _net_forgotten(correct: np.ndarray):
 
 
 def check_forgetting(run: Run) -> list:
-    """Examples the model had right and lost again. Churn near the decision boundary is normal (info); a
-    warning needs a run that had learned (peak accuracy 3 binomial sigmas above chance) and a net loss of
-    examples since its best that churn does not explain: 10% of the holdout, and a McNemar z >= 3 (lost
-    against regained)."""
+    """Examples the model had right at its best and lost by the end. Churn near the decision boundary
+    (examples flipping both ways) is normal and no finding: info needs a net loss of 2 or more examples at
+    a McNemar z >= 2 (lost against regained); a warning needs a run that had learned (peak accuracy 3
+    binomial sigmas above chance) and a net loss that churn does not explain: 10% of the holdout, z >= 3."""
     h = holdout_data(run)
     if not h or h.kind != "classification" or h.correct is None or h.correct.shape[1] < 4:
         return []
@@ -1736,19 +1736,23 @@ def check_forgetting(run: Run) -> list:
     st = h.matrix_steps
     msg = (f"{f['events']} forgetting event(s) (an example right at one collection and wrong at the next; "
            f"Toneva et al. 2019) across {f['examples']} of {n} holdout examples")
-    net, large = _net_forgotten(correct), False
-    if net:
-        p, lost, regained, peak = net
-        chance = 1.0 / (h.num_classes or 2)
-        z = (lost - regained) / math.sqrt(lost + regained) if lost + regained else 0.0
-        large = peak >= chance + 3 * _sigma(chance, n) and lost - regained >= max(3, 0.1 * n) and z >= 3
-        msg += (f"; {lost} examples right around the holdout's best (steps {int(st[p])}-{int(st[p + 2])}, "
-                f"accuracy {peak:.3f}) are wrong at the end and {regained} the other way round")
+    net = _net_forgotten(correct)
+    if not net:
+        return []
+    p, lost, regained, peak = net
+    chance = 1.0 / (h.num_classes or 2)
+    z = (lost - regained) / math.sqrt(lost + regained) if lost + regained else 0.0
+    if lost - regained < 2 or z < 2:
+        return []   # churn: as many examples regained as lost, within the noise
+    large = peak >= chance + 3 * _sigma(chance, n) and lost - regained >= max(3, 0.1 * n) and z >= 3
+    msg += (f"; {lost} examples right around the holdout's best (steps {int(st[p])}-{int(st[p + 2])}, "
+            f"accuracy {peak:.3f}) are wrong at the end and {regained} the other way round")
     return [Finding(
         "forgetting", "warning" if large else "info", msg + ".", _steps_list(st[f["first_steps"] + 1]),
         hint=("Learned examples were lost for good: lower the learning rate late in training, check for a "
               "data-distribution shift between epochs, or keep the holdout-best checkpoint."
-              if large else "Some churn near the decision boundary is normal; watch whether it grows."))]
+              if large else "A few more examples lost than regained since the holdout's best: watch whether it "
+                            "grows, and keep the holdout-best checkpoint."))]
 
 
 def _batch_counts(run: Run):
@@ -2154,8 +2158,8 @@ FINDINGS = {
                      "could be"),
     "overfitting": (("warning",), "analyzer", "the holdout loss rises from its best while the training loss "
                     "falls"),
-    "forgetting": (("info", "warning"), "analyzer", "holdout examples once right turn wrong (churn near the "
-                   "decision boundary is info)"),
+    "forgetting": (("info", "warning"), "analyzer", "holdout examples right at the holdout's best are wrong at "
+                   "the end, more than churn explains"),
     "metric_errors": (("warning",), "analyzer", "a section or custom metric failed at some collections"),
 }
 BLOWUPS = STAGES[2]   # events in time: they explain only what starts at or after them

@@ -326,14 +326,21 @@ def test_telemetry_alerts_fold_into_matching_findings(tmp_path):
     assert "telemetry alert lr_zero at step 10" in found[0].message and "frozen_group" in found[0].message
 
 
-def test_small_forgetting_is_info(tmp_path):
+def test_churn_is_no_finding_and_a_small_net_loss_is_info(tmp_path):
     recs = healthy_records()
-    # two examples flip once each: forgetting events, but nothing to warn about
+    # two examples flip once each and come back: forgetting events, but churn, and a healthy run is quiet
     for r in recs[60:62]:
         r["holdout_logits"]["predictions"][0] ^= 1
         r["holdout_logits"]["predictions"][1] ^= 1
-    found = [f for f in findings_of(write_run(tmp_path / "r", recs)) if f.code == "forgetting"]
-    assert found and found[0].severity == "info"
+    assert "forgetting" not in codes(findings_of(write_run(tmp_path / "churn", recs)), at.SEVERITIES)
+    recs = healthy_records()
+    always = [i for i in range(50) if all(r["holdout_logits"]["predictions"][i] == r["holdout_logits"]["labels"][i]
+                                          for r in recs)]
+    for r in recs[-3:]:   # four examples right all along are wrong at the end: 4 lost, 0 regained, z = 2
+        for i in always[:4]:
+            r["holdout_logits"]["predictions"][i] ^= 1
+    found = [f for f in findings_of(write_run(tmp_path / "lost", recs)) if f.code == "forgetting"]
+    assert [f.severity for f in found] == ["info"] and "are wrong at the end and 0 the other way" in found[0].message
 
 
 def test_lora_zero_first_gradient_is_healthy(tmp_path):
