@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/RESULTS.md from one run on one commit: the side-by-side comparison (compare.py writes the file), then
 # one collection on the 50M-parameter MLP against its floors, then the CNN collecting at every step in one
-# process, alternating blocks with and without (ours, and wandb.watch). Needs bench/setup.sh's venvs.
+# process, alternating blocks with and without (ours, and wandb.watch), then what the activation check costs.
+# Needs bench/setup.sh's venvs.
 # Arguments go to compare.py (e.g. --repeats 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,4 +31,12 @@ $PY bench/compare.py "$@"
         $PY bench/compare.py --blocks cnn "$config" 1 32 16
         echo '```'
     done
+    echo
+    echo "## The activation check (track_activations) on collecting and other steps"
+    echo
+    echo "\`$PY bench/activation_cost.py\`:"
+    echo
+    echo '```'
+    $PY bench/activation_cost.py
+    echo '```'
 } >> bench/RESULTS.md
