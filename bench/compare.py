@@ -999,7 +999,7 @@ def analyzer_speed(log, records=100_000):
         p = subprocess.run([py, speed, "--records", str(records)], cwd=REPO, capture_output=True, text=True,
                            env=env, timeout=900)
         tail = (p.stdout.strip().splitlines() or ["(no output)"])[-6:]
-        return [f"`{py} bench/analyze_speed.py --records {records}` (exit {p.returncode}, "
+        return [f"`{repo_relative(py)} bench/analyze_speed.py --records {records}` (exit {p.returncode}, "
                 f"{time.time() - t:.1f} s wall including writing the file):"] + \
                [f"    {line}" for line in tail]
     if not os.path.exists(analyzer):
