@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Step-time overhead of telemetry.py against the bare loop and against peer tools, measured side by side.
 
-    /work/benchvenv/bin/python bench/compare.py            # full run, writes bench/RESULTS.md
-    /work/benchvenv/bin/python bench/compare.py --quick    # smoke run: every config once, few steps
+    bench/.venv/bin/python bench/compare.py            # full run, writes bench/RESULTS.md
+    bench/.venv/bin/python bench/compare.py --quick    # smoke run: every config once, few steps
     python bench/compare.py --child WORKLOAD CONFIG INTERVAL STEPS [--warmup W]   # one measurement
 
 Every measurement is its own subprocess (so peak RSS is per configuration), and configurations are run
@@ -38,7 +38,7 @@ from collections import defaultdict
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
-COCKPIT_PYTHON = os.environ.get("BENCH_COCKPIT_PYTHON", "/work/cockpitvenv/bin/python")
+COCKPIT_PYTHON = os.environ.get("BENCH_COCKPIT_PYTHON", os.path.join(BENCH_DIR, ".venv-cockpit", "bin", "python"))
 ANALYZER_PYTHON = os.environ.get("BENCH_ANALYZER_PYTHON", os.path.join(REPO, ".venv", "bin", "python"))
 INTERVALS = (1, 16, 200)
 PEERS = ("wandb_all", "wandb_gradients", "tensorboard", "lightning")
