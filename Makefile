@@ -52,7 +52,7 @@ demo: $(DEMO_READY)
 test: $(DEV_READY)
 	$(BIN)/python -m pytest -q
 
-# Full run ~30 min on 2 cores; `make bench BENCH_ARGS=--quick` is the smoke run.
+# Full run about an hour on 2 cores; `make bench BENCH_ARGS=--quick` is the smoke run.
 bench:
 	bench/setup.sh
 	BENCH_COCKPIT_PYTHON=$(CURDIR)/bench/.venv-cockpit/bin/python BENCH_ANALYZER_PYTHON=$(CURDIR)/bench/.venv/bin/python \

@@ -179,3 +179,24 @@ def test_no_machine_paths_or_project_history():
         for pattern in (r"/work/", r"/home/\w+", r"/[a-z]+/[a-z]*venv/bin", r"this session", r"the seed",
                         r"\bseed \d{3}\b"):
             assert not re.search(pattern, text, re.I), (name, pattern)
+
+
+def test_the_performance_table_quotes_bench_results_with_commands_that_exist():
+    """Every figure in the README's Performance table is one of bench/RESULTS.md's (rounded as quoted), and
+    every command runs a script that bench/ holds: the README quotes no figure without its command."""
+    start = README.index("## Performance")
+    end = README.find("\n## ", start + 1)
+    rows = [line.strip("| ").split(" | ") for line in README[start:end if end > 0 else None].splitlines()
+            if line.startswith("| ") and not line.startswith("| Workload") and "---" not in line]
+    assert len(rows) >= 5
+    results = (ROOT / "bench" / "RESULTS.md").read_text(encoding="utf-8").replace(",", "")
+    measured = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", results)]
+    for row in rows:
+        figure, command = row[2], row[3]
+        for quoted in re.findall(r"\d+(?:\.\d+)?", figure.replace(",", "")):
+            places = len(quoted.partition(".")[2])
+            assert any(round(y, places) == float(quoted) for y in measured), (quoted, row)
+        scripts = re.findall(r"bench/\w+\.py", command)
+        assert scripts or command.strip() == "same", row
+        for script in scripts:
+            assert (ROOT / script).exists(), script
