@@ -154,11 +154,22 @@ def replayed_weights(steps):
     return weights
 
 
-def crash_config(run):
-    return TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False, track_system=False)
+def crash_config(run, sparse=False):
+    return TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False, track_system=False,
+                           track_sparse_quality=sparse)
 
 
-def _crashing_child(run, kill_before_op):
+def crash_telemetry(run, sparse):
+    """The crashing run's telemetry; with sparse, track_sparse_quality on a fixed holdout, which also keeps the
+    previous reference at every collection."""
+    tel = TrainingTelemetry(crash_config(run, sparse))
+    if sparse:
+        g = torch.Generator().manual_seed(99)
+        tel.set_holdout_data((torch.randn(10, 8, generator=g), torch.randint(0, 3, (10,), generator=g)))
+    return tel
+
+
+def _crashing_child(run, kill_before_op, sparse):
     """In a forked child: train with telemetry and be killed (SIGKILL) just before the kill_before_op-th file
     operation, or by the parent at a random time."""
     torch.set_num_threads(1)
@@ -175,14 +186,14 @@ def _crashing_child(run, kill_before_op):
             setattr(os, name, counted)
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tel = TrainingTelemetry(crash_config(run))
+    tel = crash_telemetry(run, sparse)
     for step in range(1, STEPS + 1):
         train_step(model, optimizer, step)
         tel.on_batch_end(model, optimizer, step, 0)
     tel.close()
 
 
-def crash(run, kill_before_op=None, after=None):
+def crash(run, kill_before_op=None, after=None, sparse=False):
     """Run _crashing_child in a fork; True when it was killed before it finished."""
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest
@@ -190,7 +201,7 @@ def crash(run, kill_before_op=None, after=None):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                _crashing_child(run, kill_before_op)
+                _crashing_child(run, kill_before_op, sparse)
         except BaseException:
             code = 1
         os._exit(code)
@@ -203,7 +214,7 @@ def crash(run, kill_before_op=None, after=None):
     return os.WIFSIGNALED(status)
 
 
-def check_recovery(run, weights):
+def check_recovery(run, weights, sparse=False):
     """After a crash: every complete line is a record, in step order from 1 (none lost before a torn line);
     the reference on disk is sound and at most one collection ahead of the log; a resumed run's first delta
     is the true distance from the step the reference holds."""
@@ -214,6 +225,7 @@ def check_recovery(run, weights):
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     reference = run / "last_checkpoint.safetensors"
     held = None
+    assert reference.exists() or not records  # the reference is never missing once a record is written
     if reference.exists():
         _, _, metadata = telemetry.tensor_file_info(str(reference))
         held = int(metadata["step"])
@@ -224,7 +236,7 @@ def check_recovery(run, weights):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tel = TrainingTelemetry(crash_config(run))
+        tel = crash_telemetry(run, sparse)
         train_step(model, optimizer, 1)
         rec = tel.on_batch_end(model, optimizer, 1, 0)
         tel.close()
@@ -255,6 +267,19 @@ def test_kill_campaign_loses_nothing_and_resumes_right(tmp_path):
         kills += crash(run, after=rng.uniform(0.0, 0.15))
         check_recovery(run, weights)
     assert kills >= 20 and time.time() - started < 60
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the crash campaign forks")
+def test_kill_campaign_with_sparse_quality_never_loses_the_reference(tmp_path):
+    """track_sparse_quality keeps the reference a collection replaces: killed at each file operation of the
+    first collections, the reference is still there and sound, and the resumed delta is right."""
+    weights = replayed_weights(STEPS)
+    kills = 0
+    for n in range(1, 50):
+        run = tmp_path / f"op{n}"
+        kills += crash(run, kill_before_op=n, sparse=True)
+        check_recovery(run, weights, sparse=True)
+    assert kills >= 20
 
 
 @pytest.mark.slow
