@@ -221,6 +221,7 @@ def check_recovery(run, weights, sparse=False):
     path = run / "telemetry.jsonl"
     raw = path.read_bytes() if path.exists() else b""
     complete = raw.split(b"\n")[:-1]
+    assert not raw or raw.endswith(b"\n")  # a record is one write: no torn line
     records = [json.loads(line) for line in complete]
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     reference = run / "last_checkpoint.safetensors"
