@@ -881,8 +881,8 @@ def check_not_in_optimizer(run: Run) -> list:
         "and since optimizer.zero_grad() does not clear them either, their .grad only grows.",
         _steps_list(steps(run)[:1]), group=NOT_IN_OPTIMIZER,
         hint="If they should train, add them to the optimizer (build it after the model is complete, or "
-             "add_param_group); if not, freeze them with requires_grad_(False), which also saves their gradient "
-             "memory.")]
+             "add_param_group); if another optimizer trains them, pass every optimizer to on_batch_end, as a "
+             "list; if not, freeze them with requires_grad_(False), which also saves their gradient memory.")]
 
 
 # Where a NaN shows first, in the order it spreads: the loss, then the gradients computed from it, then the

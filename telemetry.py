@@ -2077,6 +2077,35 @@ class _Mirrors:
             self.tb = None
 
 
+class _Optimizers:
+    """Several optimizers passed together (a backbone's and a head's, a GAN's two): their param groups side
+    by side, in the order given, and a step is a call after which any of them stepped."""
+
+    def __init__(self, members: tuple):
+        self.members = members
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return [g for o in self.members for g in o.param_groups]
+
+
+def _one_optimizer(optimizer: Any, kept: Dict[tuple, _Optimizers]) -> Any:
+    """The optimizer argument as one object: a list or tuple of optimizers becomes an _Optimizers, the same
+    one for the same members at every call (the layout and the step count are keyed by it)."""
+    if not isinstance(optimizer, (list, tuple)):
+        return optimizer
+    members = tuple(optimizer)
+    bad = [type(o).__name__ for o in members if not hasattr(o, "param_groups")]
+    if not members or bad:
+        raise TypeError("on_batch_end: optimizer= takes an optimizer, or a list of optimizers that together hold "
+                        f"the model's trainable parameters; got a {type(optimizer).__name__} of "
+                        f"{', '.join(bad) if bad else 'nothing'}")
+    key = tuple(id(o) for o in members)
+    if key not in kept:
+        kept[key] = _Optimizers(members)
+    return kept[key]
+
+
 class _GradScaler:
     """What a torch.amp.GradScaler tells about the gradients: the scale they still carry, and the steps it
     skipped (update() backs the scale off exactly when it skipped one for inf/NaN gradients)."""
@@ -2127,7 +2156,8 @@ class _GradScaler:
         """
         if not self.active or optimizer is None:
             return None
-        state = self.scaler._per_optimizer_states.get(id(optimizer))  # .get: a defaultdict would add an entry
+        member = optimizer.members[0] if isinstance(optimizer, _Optimizers) else optimizer  # one scaler: one stage
+        state = self.scaler._per_optimizer_states.get(id(member))  # .get: a defaultdict would add an entry
         stage = getattr(state["stage"], "name", None) if state else None
         if stage in ("UNSCALED", "STEPPED") or (stage is None and not pre_step):
             return None
@@ -2780,7 +2810,8 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
             frozen_tensors=frozen["tensors"], frozen_elements=frozen["elements"], frozen_names=frozen["names"])
     info = dict(parameters={"total": sum(p.numel() for p in model.parameters()),
                             "trainable": sum(p.numel() for p in layout.params)},
-                groups=groups, optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                groups=groups, optimizer="+".join(type(o).__name__ for o in getattr(optimizer, "members", [optimizer]))
+                if optimizer is not None else None,
                 world_size=1, rank=0)
     if layout.outside:
         info["not_in_optimizer"] = count(layout.outside)
@@ -3217,7 +3248,9 @@ class _OptimizerSteps:
         weakref.finalize(self, _register_step_hook(hook).remove)
 
     def count(self, optimizer: Any) -> int:
-        """Steps of this optimizer since telemetry started."""
+        """Steps of this optimizer since telemetry started (of several: the most any of them took)."""
+        if isinstance(optimizer, _Optimizers):
+            return max(self.count(o) for o in optimizer.members)
         seen = set()
         while optimizer is not None and id(optimizer) not in seen:
             seen.add(id(optimizer))
@@ -3991,6 +4024,7 @@ class TrainingTelemetry:
         self._clock = _SystemClock()
         self._metrics: Dict[str, Callable] = {}  # add_metric: name -> fn(model, optimizer, context)
         self._layout: Optional[_Layout] = None  # rebuilt when the model, optimizer or trainable set change
+        self._optimizer_lists: Dict[tuple, _Optimizers] = {}  # several optimizers passed as a list, kept as one
         self._ranks: Any = _Replicated(*_rank_and_world(), "none")
         self._ranks_key: Any = None
         self._off = False  # the ranks disagree: telemetry is off on every rank
@@ -4053,6 +4087,7 @@ class TrainingTelemetry:
             raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; the arguments are (model, "
                             "optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars): pass the "
                             "batch as batch=")
+        optimizer = _one_optimizer(optimizer, self._optimizer_lists)
         taken = self._schedule.advance(optimizer, batch_idx) or int(self._scaler.backed_off())
         self._scaler.track()
         if not taken:  # no optimizer step since the last call: a micro-batch of gradient accumulation
@@ -4102,6 +4137,7 @@ class TrainingTelemetry:
         scaler.unscale_ yet) are divided by the scale. True when it read them."""
         if not self._active() or not self._schedule.will_collect(batch_idx) or not self.config.track_gradients:
             return False
+        optimizer = _one_optimizer(optimizer, self._optimizer_lists)
         try:
             # For the next on_batch_end call only (it counts self.step up by one).
             self._gradients.capture(self._layout_for(_unwrap_ddp(model), optimizer), optimizer, self.step + 1)
@@ -4194,7 +4230,8 @@ class TrainingTelemetry:
             c.add("system", self._clock.section, model, batch, started, self.step)
         if self._metrics:
             context = {"step": self.step, "batch_idx": batch_idx, "epoch": epoch, "batch": batch, "loss": loss}
-            custom = {name: c.run(f"custom.{name}", custom_metric_values, fn, model, optimizer, context)
+            given = list(optimizer.members) if isinstance(optimizer, _Optimizers) else optimizer  # as passed
+            custom = {name: c.run(f"custom.{name}", custom_metric_values, fn, model, given, context)
                       for name, fn in list(self._metrics.items())}
             if any(v is not None for v in custom.values()):
                 c.record["custom"] = {k: v for k, v in custom.items() if v is not None}
@@ -4286,7 +4323,8 @@ class TrainingTelemetry:
                 self._warn("outside", f"telemetry: {len(names)} trainable tensor(s) are in no optimizer group "
                                       f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): nothing updates "
                                       "them and their gradients grow with every backward(). They are left out of the "
-                                      "records (run.json lists them): add them to the optimizer, or freeze them.")
+                                      "records (run.json lists them): add them to the optimizer, or freeze them. "
+                                      "If another optimizer trains them, pass every optimizer, as a list.")
         return self._layout
 
     def _move_on(self) -> None:

@@ -249,6 +249,57 @@ def test_gradient_accumulation_records_only_whole_gradients(tmp_path):
         assert r["gradient_norm"]["overall"] == pytest.approx(norms[r["batch_idx"]], rel=1e-6)
 
 
+def test_several_optimizers_passed_as_a_list_record_each_ones_groups(tmp_path):
+    """A backbone's SGD and a head's Adam, each stepping every batch: the records count optimizer steps, hold
+    both optimizers' learning rates as they are, and the norms cover every parameter; the analyzer is quiet
+    about learning rates and parameters outside the optimizers. Anything else in the list is a TypeError."""
+    x, y = digits()
+    model = mlp()
+    backbone = torch.optim.SGD(model[0].parameters(), lr=0.05)
+    head = torch.optim.Adam(model[2].parameters(), lr=0.003)
+    scheduler = torch.optim.lr_scheduler.StepLR(head, step_size=5, gamma=0.5)
+    run = tmp_path / "run"
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=4, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "in no optimizer group" warning
+        expected = {}
+        for batch_idx in range(24):
+            part = slice(batch_idx * 32 % 1500, batch_idx * 32 % 1500 + 32)
+            loss = nn.functional.cross_entropy(model(x[part]), y[part])
+            loss.backward()
+            backbone.step()
+            head.step()
+            if batch_idx % 4 == 0:
+                before = [p.detach().clone() for p in model.parameters()]
+                expected[batch_idx] = (batch_idx + 1, head.param_groups[0]["lr"],
+                                       torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item(),
+                                       before)
+            tel.on_batch_end(model, [backbone, head], batch_idx, 0, loss=loss)
+            scheduler.step()
+            backbone.zero_grad()
+            head.zero_grad()
+    tel.close()
+    records = read(run)
+    assert [r["batch_idx"] for r in records] == sorted(expected)
+    previous = None
+    for r in records:
+        step, head_lr, norm, weights = expected[r["batch_idx"]]
+        assert r["step"] == step
+        assert r["learning_rates"]["group_0"] == 0.05 and r["learning_rates"]["group_1"] == head_lr
+        assert r["gradient_norm"]["overall"] == pytest.approx(norm, rel=1e-6)
+        if previous is not None:
+            true = math.sqrt(sum(float((a.double() - b.double()).square().sum()) for a, b in zip(weights, previous)))
+            assert r["weight_delta"]["overall"] == pytest.approx(true, rel=1e-5)
+        previous = weights
+    info = json.loads((run / "run.json").read_text())
+    assert info["optimizer"] == "SGD+Adam" and "not_in_optimizer" not in info
+    import analyze_telemetry as at
+    found = at.every_finding(at.diagnose(at.load_run(str(run))))
+    assert not {f.code for f in found} & {"lr_zero", "not_in_optimizer", "frozen_parameters"}, found
+    with pytest.raises(TypeError, match="a list of optimizers"):
+        TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "bad"))).on_batch_end(model, [backbone, "adam"], 0, 0)
+
+
 def test_a_batch_in_the_device_slot_is_a_type_error_naming_the_order(tmp_path):
     x, y = digits()
     model = mlp()
