@@ -461,8 +461,8 @@ def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
     the counts are needed to build the keys, so this is the one metric that copies to the host itself."""
     values = labels.detach().reshape(-1).cpu()
     stats: Dict[str, Any] = {"batch_size": int(labels.shape[0]) if labels.dim() else 1, "label_key": key}
-    if is_regression_target(values):
-        return stats  # a regression target has no classes to balance
+    if is_regression_target(values) or (values.is_floating_point() and labels.dim() > 1 and labels[0].numel() > 1):
+        return stats  # a regression target, or several 0/1 targets per example, has no classes to balance
     uniq, counts = torch.unique(values.long(), return_counts=True)
     total = max(int(values.numel()), 1)
     if len(uniq) > MAX_BALANCE_VALUES:
@@ -2877,12 +2877,18 @@ def _record_head(step: int, batch_idx: int, epoch: int, loss: Any, scalars: Dict
     record: Dict[str, Any] = {"schema": SCHEMA_VERSION, "step": step, "batch_idx": batch_idx, "epoch": epoch,
                               "timestamp": datetime.datetime.now().isoformat()}
     if loss is not None:
-        record["loss"] = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        record["loss"] = _one_number(loss)
     for key, value in scalars.items():
         if key in record or key in _SECTION_KEYS:
             raise ValueError(f"on_batch_end: extra scalar {key!r} clashes with a record key")
-        record[key] = value.detach() if isinstance(value, torch.Tensor) else value
+        record[key] = _one_number(value)
     return record
+
+
+def _one_number(value: Any) -> Any:
+    # A one-element tensor of any shape (DataParallel's loss is [1] on one GPU) is recorded as the number.
+    return value.detach().reshape(()) if isinstance(value, torch.Tensor) and value.numel() == 1 else \
+        value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _null_ratios_of_zero_weights(record: Dict[str, Any]) -> None:
@@ -3570,10 +3576,12 @@ def _evaluating(model: torch.nn.Module):
 def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
     """The batch_stats section: label balance, or token counts for a language-model batch, and a fingerprint
     of the inputs (a loader that hands out the same batch again gives the same one)."""
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2:
+    key = find_label_key(batch, label_key) if isinstance(batch, dict) else None
+    per_example = key is not None and isinstance(batch[key], torch.Tensor) and batch[key].dim() <= 1
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2 \
+            and not per_example:  # a language model's batch; one label per sequence is a classifier's
         stats = token_balance(batch)
-    elif isinstance(batch, dict) and find_label_key(batch, label_key) is not None:
-        key = find_label_key(batch, label_key)
+    elif key is not None:
         stats = label_balance(batch[key], key)
     elif isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
         stats = label_balance(batch[-1], label_key or "label")
@@ -3686,6 +3694,10 @@ def holdout_labels(batch: Any, label_key: Optional[str], labels: Optional[Callab
                          f"{', '.join(map(str, batch))}): set batch_label_key, or pass labels= to set_holdout_data")
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], torch.Tensor):
         return batch[-1], None
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        raise ValueError(f"the labels of a holdout (inputs..., labels) batch are a {type(batch[-1]).__name__}, not a "
+                         "tensor: pass them as one (torch.tensor(labels); class names mapped to class indices), "
+                         "or pass labels= to set_holdout_data")
     raise ValueError(f"a holdout batch of type {type(batch).__name__} holds no labels: pass (inputs..., labels) "
                      "batches, or labels= (and forward=) to set_holdout_data")
 
@@ -3771,6 +3783,11 @@ class _Holdout:
                 raise ValueError(f"set_holdout_data: the labels of a batch of {n} examples are "
                                  f"{type(got).__name__} {list(getattr(got, 'shape', []))}; pass labels= returning "
                                  "a tensor with one row per example")
+            if got.is_floating_point() and got[0].numel() > 1 and not is_regression_target(got):
+                raise ValueError(f"set_holdout_data: labels of shape {list(got.shape)} holding only 0 and 1 are "
+                                 "multi-label or one-hot targets, which the holdout does not score (it scores a "
+                                 "class index per example, a language model's tokens, or regression targets); "
+                                 "for one-hot targets pass labels=lambda batch: batch[-1].argmax(-1)")
             if forward is None and isinstance(batch, (tuple, list)) and not all(
                     isinstance(x, torch.Tensor) for x in batch[:-1]):
                 raise ValueError("set_holdout_data: (inputs..., labels) batches run model(*inputs), and these "
@@ -4087,6 +4104,9 @@ class TrainingTelemetry:
             raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; the arguments are (model, "
                             "optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars): pass the "
                             "batch as batch=")
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise ValueError(f"on_batch_end: loss= has {loss.numel()} values (shape {list(loss.shape)}); pass the "
+                             "one number the optimizer stepped on, e.g. loss.mean() for a per-example loss")
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
         taken = self._schedule.advance(optimizer, batch_idx) or int(self._scaler.backed_off())
         self._scaler.track()

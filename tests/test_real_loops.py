@@ -116,8 +116,74 @@ def test_unusable_holdouts_are_refused_at_set_holdout_data(tmp_path):
         tel.set_holdout_data([("a caption", y[:4])])
     with pytest.raises(ValueError, match="labels="):
         tel.set_holdout_data([(x[:4], y[:3])])  # one label short
+    with pytest.raises(ValueError, match=r"labels of a holdout \(inputs..., labels\) batch are a list, not a tensor"):
+        tel.set_holdout_data((x[:50], y[:50].tolist()))
+    with pytest.raises(ValueError, match="are a (str|list), not a tensor.*class names mapped to class indices"):
+        tel.set_holdout_data([(x[i], "odd" if y[i] % 2 else "even") for i in range(50)])
+    multi = (torch.rand(50, 5) > 0.5).float()  # multi-label (BCEWithLogits) targets
+    with pytest.raises(ValueError, match=r"labels of shape \[50, 5\] holding only 0 and 1 are multi-label"):
+        tel.set_holdout_data((x[:50], multi))
+    with pytest.raises(ValueError, match=r"argmax"):
+        tel.set_holdout_data((x[:50], nn.functional.one_hot(y[:50], 10).float()))
+    tel.set_holdout_data((x[:50], nn.functional.one_hot(y[:50], 10).float()),
+                         labels=lambda b: b[-1].argmax(-1))  # one-hot, as the message says: accepted
     tel.set_holdout_data(x[:50], forward=lambda m, b: m(b), labels=lambda b: y[:50])  # said how: accepted
     tel.close()
+
+
+class BagOfTokens(nn.Module):
+    """A text classifier with an HF model's call: model(input_ids=..., attention_mask=...)."""
+
+    def __init__(self, vocab=50, classes=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(vocab, 16), nn.Linear(16, classes)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.unsqueeze(-1).float()
+        return self.head((self.embed(input_ids) * mask).sum(1) / mask.sum(1))
+
+
+def test_a_text_classifiers_dict_batches_count_their_classes(tmp_path):
+    """{input_ids [B, T], attention_mask, labels [B]}, as an HF sequence-classification loop gives: one label
+    per sequence, so batch_stats counts classes (a language model's [B, T] labels count tokens), and the
+    holdout scores like a manual eval."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (256, 12), generator=g)
+    labels = (torch.rand(256, generator=g) < 0.1).long()  # 90% class 0: an imbalance to see
+    mask = torch.ones_like(ids)
+    model = BagOfTokens()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    tel.set_holdout_data({"input_ids": ids[200:], "attention_mask": mask[200:], "labels": labels[200:]})
+    batch = {"input_ids": ids[:64], "attention_mask": mask[:64], "labels": labels[:64]}
+    loss = nn.functional.cross_entropy(model(ids[:64], mask[:64]), labels[:64])
+    loss.backward()
+    optimizer.step()
+    rec = tel.on_batch_end(model, optimizer, 0, 0, batch=batch, loss=loss)
+    tel.close()
+    stats = rec["batch_stats"]
+    assert stats["counts"] == {str(k): int((labels[:64] == k).sum()) for k in (0, 1)} and stats["label_key"] == "labels"
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids[200:250], mask[200:250])
+    assert rec["holdout_logits"]["accuracy"] == pytest.approx((logits.argmax(-1) == labels[200:250]).double().mean().item())
+
+
+def test_a_one_element_loss_is_a_number_and_a_per_example_loss_is_refused(tmp_path):
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    per_example = nn.functional.cross_entropy(model(x[:64]), y[:64], reduction="none")
+    per_example.mean().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match=r"loss= has 64 values \(shape \[64\]\).*loss.mean\(\)"):
+        tel.on_batch_end(model, optimizer, 0, 0, loss=per_example)
+    rec = tel.on_batch_end(model, optimizer, 0, 0, loss=per_example.mean().reshape(1))  # DataParallel's [1]
+    tel.close()
+    assert rec["loss"] == pytest.approx(per_example.double().mean().item(), rel=1e-6)
+    assert json.loads((tmp_path / "telemetry.jsonl").read_text().splitlines()[0])["loss"] == rec["loss"]
 
 
 def test_configured_label_key_is_the_only_one_tried_and_named(tmp_path):
