@@ -1078,10 +1078,11 @@ class LossTrend:
     peak_step: int
 
 
-def _noise_sd(x: np.ndarray) -> float:
+def _noise_sd(x: np.ndarray, lag: int = 1) -> float:
     """Robust standard deviation of one value of a noisy series: the MAD of successive differences over
-    sqrt(2), so that a trend does not pass for noise."""
-    d = np.diff(x)
+    sqrt(2), so that a trend does not pass for noise. With a lag, of the changes over that many values: a
+    series sampled at every step wanders slowly, and its successive differences miss how far."""
+    d = x[lag:] - x[:-lag]
     return 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) else 0.0
 
 
@@ -1631,31 +1632,65 @@ def _example_losses(h: dict):
 
 def _holdout_loss_rise(h: Holdout):
     """(reason, [steps]) when the holdout loss rose past its best, beyond the run's own wobble and by a
-    margin that matters; None otherwise. The wobble is the robust spread of the collection-to-collection
-    changes over the second half of the run: the rise must clear 6 of those (as loss spikes do; the healthy
-    corpus runs reach 3.4, the overfitting ones thousands, their holdout loss climbing smoothly). The
+    margin that matters; None otherwise. The wobble is the robust spread of the changes over the second half
+    of the run, from one collection to the next and over a twentieth of the run (collected at every step, a
+    small holdout's loss wanders further than its successive changes show): the rise must clear 6 of those
+    (as loss spikes do; the healthy corpus runs reach 3.4, the overfitting ones thousands, their holdout
+    loss climbing smoothly). The
     margin is 20% of the best: the corpus calls a run healthy while its test loss stays within 1.2x of its
     best, and overfit from 1.3x."""
     found = _best_and_end(h.loss, h.steps, np.argmin)
     if found is None:
         return None
     best, end, where, x = found
-    wobble = _noise_sd(x[len(x) // 2:])
+    late = x[len(x) // 2:]
+    wobble = max(_noise_sd(late), _noise_sd(late, lag=max(1, len(x) // 20)))
     if end - best < max(6 * wobble, 0.2 * abs(best), 1e-12):
         return None
     return (f"holdout loss rose from its best {_fmt(best)} at step {where[0]} to {_fmt(end)} ({end / best:.2f}x; "
-            f"its collection-to-collection wobble is {_fmt(wobble)})" if best > 0 else
+            f"its wobble is {_fmt(wobble)})" if best > 0 else
             f"holdout loss rose from its best {_fmt(best)} at step {where[0]} to {_fmt(end)}"), where
+
+
+def _best_and_end_evaluations(h: Holdout, values: np.ndarray, best_step: float):
+    """(index of the evaluation _best_and_end's best value came from, index of the one its end came from):
+    the median of the (up to) three around the best step, and of the last three; None when not found."""
+    ok = np.flatnonzero(np.isfinite(values))
+    if len(ok) < 3:
+        return None
+    i = int(np.searchsorted(h.steps[ok], best_step))
+    window, last = ok[max(i - 1, 0):i + 2], ok[-3:]
+    return (int(window[np.argsort(values[window], kind="stable")[len(window) // 2]]),
+            int(last[np.argsort(values[last], kind="stable")[len(last) // 2]]))
 
 
 def _holdout_accuracy_fall(h: Holdout, n: int):
     """(reason, [steps]) when holdout accuracy fell from its best beyond 3 binomial sigmas (the best of many
     noisy evaluations sits above the truth, hence 3) and by 5 points."""
     found = _best_and_end(h.accuracy, h.steps, np.argmax)
-    if found is None or found[0] - found[1] < max(0.05, 3 * _sigma(found[0], n)):
+    if found is None or found[0] - found[1] < max(0.05, 3 * _sigma((found[0] + found[1]) / 2, n)):
         return None
     best, end, where, _ = found
+    pair = _best_and_end_evaluations(h, h.accuracy, where[0])
+    counts = _lost_and_gained(h, *pair) if pair else None
+    if counts is not None:   # McNemar: the examples lost since the best against those gained
+        lost, gained = counts
+        if lost - gained < 3 * math.sqrt(max(lost + gained, 1)):
+            return None
     return f"holdout accuracy fell from its best {best:.3f} at step {where[0]} to {end:.3f}", where
+
+
+def _lost_and_gained(h: Holdout, a: int, b: int):
+    """(examples right at evaluation a and wrong at b, the other way round), or None without predictions."""
+    right = []
+    for k in (a, b):
+        labels, predictions = h.raw[k].get("labels"), h.raw[k].get("predictions")
+        if not (_is_class_list(labels) and _is_class_list(predictions) and len(labels) == len(predictions)):
+            return None
+        right.append(np.array(labels) == np.array(predictions))
+    if len(right[0]) != len(right[1]):
+        return None
+    return int((right[0] & ~right[1]).sum()), int((~right[0] & right[1]).sum())
 
 
 def _best_and_end(values, steps, pick):

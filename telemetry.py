@@ -1082,14 +1082,15 @@ def robust_z(history: Any, value: float) -> float:
     """Robust z-score of `value` against `history`: (value - median) / (1.4826 * MAD).
 
     Taken on a log scale when every value is > 0 (loss and gradient norms vary multiplicatively, so the
-    noise late in training, when they are small, is not mistaken for spikes). The scale has a floor (1% on
-    the log scale, 1e-3 * |median| otherwise) so that a flat plateau, MAD 0, is not one spike away from
-    infinity. Plain floats: it runs on the host record, after the one transfer.
+    noise late in training, when they are small, is not mistaken for spikes). The scale has a floor (5% on
+    the log scale, 1e-3 * |median| otherwise) so that a tight stretch of history, MAD near 0, does not make
+    a spike of a rise of a few percent: at the default threshold of 8, a spike is at least 1.49x the median.
+    Plain floats: it runs on the host record, after the one transfer.
     """
     values = list(history)
     if value > 0 and all(v > 0 for v in values):
         values, value = [math.log(v) for v in values], math.log(value)
-        floor = 0.01
+        floor = 0.05
     else:
         floor = 0.0
     values.sort()

@@ -271,6 +271,41 @@ def test_overfitting_verdict_does_not_depend_on_train_accuracy(tmp_path, digits)
     assert "train accuracy" in verdicts[0][1].message and "train accuracy" not in verdicts[1][1].message
 
 
+def test_a_small_holdouts_noise_at_every_step_is_not_overfitting(tmp_path):
+    """SGD with momentum, collecting at every step, a 50-example holdout: its loss swings 1.6x as a few
+    examples turn confidently wrong and back, while on 20,000 fresh examples of the same problem the loss
+    stays within 1.1x of its best and accuracy ends at 0.95. Paired per example (t of the loss change,
+    McNemar for accuracy), that swing is the holdout's sampling noise: no overfitting. The labels come from
+    a fixed linear teacher, so fresh examples are unlimited."""
+    torch.manual_seed(0)
+    x, teacher = torch.randn(4000, 20), torch.randn(20, 4)
+    y = (x @ teacher).argmax(1)
+    fresh = torch.randn(20000, 20, generator=torch.Generator().manual_seed(123))
+    fresh_y = (fresh @ teacher).argmax(1)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    tel.set_holdout_data((x[-200:], y[-200:]))
+    fresh_loss = []
+    for step in range(300):
+        idx = torch.randint(0, 3500, (32,))
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        tel.on_batch_end(model, optimizer, step % 100, step // 100, batch=(x[idx], y[idx]), loss=loss)
+        optimizer.zero_grad()
+        with torch.no_grad():
+            fresh_loss.append(F.cross_entropy(model(fresh), fresh_y).item())
+    tel.close()
+    with torch.no_grad():
+        assert (model(fresh).argmax(1) == fresh_y).float().mean() > 0.93
+    assert np.median(fresh_loss[-3:]) < 1.2 * min(fresh_loss)   # healthy by the corpus's definition
+    run, found = diagnosis(tmp_path)
+    h = at.holdout_data(run)
+    assert h.loss[-3:].min() > 1.3 * h.loss.min()   # the 50 examples alone would say otherwise
+    assert not loud(found), [(f.code, f.message) for f in loud(found)]
+
+
 def test_class_imbalance_names_the_labels(tmp_path, digits):
     y = digits[1][:600].numpy()
     pool = np.flatnonzero(y >= 3)   # classes 0-2 never drawn
