@@ -3279,22 +3279,33 @@ class _Schedule:
         self.seen: Dict[int, int] = {}  # optimizer id -> its step count at the previous call
         self.due = False
         self.calls_without_step = 0
+        self.batch_idx: Optional[int] = None  # of the latest call
+        self.collected_at: Optional[int] = None  # batch_idx of the latest collection, until the next step
 
     def advance(self, optimizer: Any, batch_idx: int) -> int:
         """Optimizer steps since the previous call: 0 for a micro-batch."""
-        self.due = self.due or batch_idx % self.every == 0
         if optimizer is None:
-            return 1
-        count = self.steps.count(optimizer)
-        taken, self.seen[id(optimizer)] = count - self.seen.get(id(optimizer), 0), count
-        self.calls_without_step = 0 if taken else self.calls_without_step + 1
-        return max(taken, 0) or (1 if taken < 0 else 0)
+            taken = 1
+        else:
+            count = self.steps.count(optimizer)
+            taken, self.seen[id(optimizer)] = count - self.seen.get(id(optimizer), 0), count
+            self.calls_without_step = 0 if taken else self.calls_without_step + 1
+            taken = max(taken, 0) or (1 if taken < 0 else 0)
+        if taken:
+            self.collected_at = None
+        # A second call for the batch just collected (no step in between) does not ask for another collection.
+        if batch_idx % self.every == 0 and batch_idx != self.collected_at:
+            self.due = True
+        self.batch_idx = batch_idx
+        return taken
 
     def will_collect(self, batch_idx: int) -> bool:
         return self.due or batch_idx % self.every == 0
 
     def take_due(self) -> bool:
         due, self.due = self.due, False
+        if due:
+            self.collected_at = self.batch_idx
         return due
 
 
@@ -3814,13 +3825,19 @@ class _Holdout:
         labels, label_key = holdout_labels(batch, self.config.batch_label_key, self.labels)
         if self.forward is not None:
             outputs = self.forward(model, batch)
-        elif isinstance(batch, dict):
-            # Labels are never passed: fused-loss models (unsloth) return no logits when given labels.
-            outputs = model(**{k: v for k, v in batch.items() if k != label_key})
-        elif isinstance(batch, torch.Tensor):
-            outputs = model(batch)
         else:
-            outputs = model(*batch[:-1])
+            try:
+                if isinstance(batch, dict):
+                    # Labels are never passed: fused-loss models (unsloth) return no logits when given labels.
+                    outputs = model(**{k: v for k, v in batch.items() if k != label_key})
+                elif isinstance(batch, torch.Tensor):
+                    outputs = model(batch)
+                else:
+                    outputs = model(*batch[:-1])
+            except TypeError as exc:  # the model's signature does not take the batch this way
+                how = "model(**batch without its label)" if isinstance(batch, dict) else "model(*inputs)"
+                raise TypeError(f"the holdout runs {how}, and the model refused it ({exc}); pass "
+                                "forward=lambda model, batch: ... to set_holdout_data") from exc
         return output_logits(outputs, self.output), labels
 
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
@@ -4585,9 +4602,10 @@ def lightning_callback_class() -> type:
 
         @staticmethod
         def _optimizer(trainer):
-            # The unwrapped optimizer, as the GradScaler keys its per-optimizer state by it.
-            optimizers = trainer.optimizers
-            return optimizers[0] if optimizers else None
+            # The unwrapped optimizers, as the GradScaler keys its per-optimizer state by them; several (manual
+            # optimization) go as a list.
+            optimizers = list(trainer.optimizers)
+            return optimizers[0] if len(optimizers) == 1 else optimizers or None
 
     _LAZY_CLASSES["lightning"] = TelemetryCallback
     return TelemetryCallback

@@ -131,6 +131,31 @@ def test_unusable_holdouts_are_refused_at_set_holdout_data(tmp_path):
     tel.close()
 
 
+def test_a_model_that_cannot_take_the_holdout_batch_names_forward(tmp_path):
+    """What needs the model is found at the first collection: a dict holdout for a model that takes one
+    tensor is an error naming forward= (raised under strict, else recorded and warned about once)."""
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    strict = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "strict"), collect_every_n=1, strict=True))
+    strict.set_holdout_data({"pixels": x[:50], "labels": y[:50]})
+    train_steps(model, optimizer, x, y, steps=1)
+    with pytest.raises(TypeError, match=r"runs model\(\*\*batch without its label\).*pass forward=lambda model"):
+        strict.on_batch_end(model, optimizer, 0, 0)
+    strict.close()
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=1))
+    tel.set_holdout_data({"pixels": x[:50], "labels": y[:50]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            train_steps(model, optimizer, x, y, steps=1)
+            rec = tel.on_batch_end(model, optimizer, i, 0)
+    tel.close()
+    assert "pass forward=" in rec["errors"]["holdout_logits"]
+    assert len([w for w in caught if "holdout_logits" in str(w.message)]) == 1
+    tel.set_holdout_data({"pixels": x[:50], "labels": y[:50]}, forward=lambda m, b: m(b["pixels"]))  # accepted
+
+
 class BagOfTokens(nn.Module):
     """A text classifier with an HF model's call: model(input_ids=..., attention_mask=...)."""
 

@@ -548,6 +548,20 @@ def test_collects_on_batch_idx_and_counts_steps_across_epochs(tmp_path):
         (0, 3, 3), (0, 6, 6), (1, 3, 10), (1, 6, 13)]
 
 
+def test_a_second_call_for_the_same_batch_keeps_the_cadence(tmp_path):
+    """A loop that calls the hook twice per batch (say, once from a callback and once by hand) collects at
+    the same batches as one that calls it once."""
+    torch.manual_seed(0)
+    model = TwoPart()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=2, strict=True))
+    for batch_idx in range(7):
+        train_step(model, optimizer)
+        tel.on_batch_end(model, optimizer, batch_idx, 0)
+        assert tel.on_batch_end(model, optimizer, batch_idx, 0) is None  # no step since: nothing to collect
+    assert [(r["batch_idx"], r["step"]) for r in read_records(tmp_path / "run")] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
 def test_loss_and_scalars_recorded_and_nonfinite_stays_strict_json(tmp_path):
     model, optimizer, tel = make_run(tmp_path)
     train_step(model, optimizer)
