@@ -116,3 +116,51 @@ def test_what_self_log_records_reaches_the_record(tmp_path):
     module, records, _ = fit(tmp_path)
     for record in records:
         assert math.isclose(record["train_acc"], module.accuracies[record["batch_idx"]], rel_tol=1e-6)
+
+
+class TwoOptimizers(Tiny):
+    """Manual optimization with an optimizer for the body and one for the head, as GANs and some fine-tunes
+    do: the callback passes both, and the records hold each one's learning rate."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        body, head = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        body.zero_grad()
+        head.zero_grad()
+        self.manual_backward(loss)
+        self.norms.append(grad_norm(self, norm_type=2)["grad_2.0_norm_total"].item())
+        body.step()
+        head.step()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        pass  # the norm is taken once per batch, in training_step
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.body.parameters(), lr=0.5), torch.optim.Adam(self.head.parameters(), lr=0.01)]
+
+
+def test_two_optimizers_in_manual_optimization_are_both_recorded(tmp_path):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 5, generator=g), torch.randint(0, 3, (24,), generator=g))
+    module = TwoOptimizers()
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=2, strict=True,
+                                                  alerts=False, track_system=False))
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[telemetry.lightning_callback()])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    records = [json.loads(line) for line in open(tmp_path / "run" / "telemetry.jsonl")]
+    info = json.loads(open(tmp_path / "run" / "run.json").read())
+    assert info["optimizer"] == "SGD+Adam" and "not_in_optimizer" not in info
+    assert [r["batch_idx"] for r in records] == [0, 2, 4] and [r["step"] for r in records] == [1, 3, 5]
+    for record in records:
+        assert record["learning_rates"]["group_0"] == 0.5 and record["learning_rates"]["group_1"] == 0.01
+        assert math.isclose(record["gradient_norm"]["overall"], module.norms[record["batch_idx"]], rel_tol=1e-6)
