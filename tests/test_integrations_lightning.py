@@ -52,11 +52,11 @@ class Tiny(pl.LightningModule):
                                 {"params": self.head.parameters(), "name": "head"}], lr=0.5)
 
 
-def fit(tmp_path, **trainer_args):
+def fit(tmp_path, module_class=None, **trainer_args):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(24, 5, generator=g), torch.randint(0, 3, (24,), generator=g))
-    module = Tiny()
+    module = (module_class or Tiny)()
     telemetry = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=2, strict=True,
                                                   alerts=False, track_system=False))
     telemetry.set_holdout_data(list(torch.utils.data.DataLoader(data, batch_size=8))[:1])
@@ -147,17 +147,7 @@ class TwoOptimizers(Tiny):
 
 
 def test_two_optimizers_in_manual_optimization_are_both_recorded(tmp_path):
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(24, 5, generator=g), torch.randint(0, 3, (24,), generator=g))
-    module = TwoOptimizers()
-    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=2, strict=True,
-                                                  alerts=False, track_system=False))
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[telemetry.lightning_callback()])
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
-    records = [json.loads(line) for line in open(tmp_path / "run" / "telemetry.jsonl")]
+    module, records, _ = fit(tmp_path, TwoOptimizers)
     info = json.loads(open(tmp_path / "run" / "run.json").read())
     assert info["optimizer"] == "SGD+Adam" and "not_in_optimizer" not in info
     assert [r["batch_idx"] for r in records] == [0, 2, 4] and [r["step"] for r in records] == [1, 3, 5]
