@@ -1642,7 +1642,7 @@ def _holdout_loss_rise(h: Holdout):
     found = _best_and_end(h.loss, h.steps, np.argmin)
     if found is None:
         return None
-    best, end, where, x = found
+    best, end, where, x, _ = found
     late = x[len(x) // 2:]
     wobble = max(_noise_sd(late), _noise_sd(late, lag=max(1, len(x) // 20)))
     if end - best < max(6 * wobble, 0.2 * abs(best), 1e-12):
@@ -1652,27 +1652,14 @@ def _holdout_loss_rise(h: Holdout):
             f"holdout loss rose from its best {_fmt(best)} at step {where[0]} to {_fmt(end)}"), where
 
 
-def _best_and_end_evaluations(h: Holdout, values: np.ndarray, best_step: float):
-    """(index of the evaluation _best_and_end's best value came from, index of the one its end came from):
-    the median of the (up to) three around the best step, and of the last three; None when not found."""
-    ok = np.flatnonzero(np.isfinite(values))
-    if len(ok) < 3:
-        return None
-    i = int(np.searchsorted(h.steps[ok], best_step))
-    window, last = ok[max(i - 1, 0):i + 2], ok[-3:]
-    return (int(window[np.argsort(values[window], kind="stable")[len(window) // 2]]),
-            int(last[np.argsort(values[last], kind="stable")[len(last) // 2]]))
-
-
 def _holdout_accuracy_fall(h: Holdout, n: int):
     """(reason, [steps]) when holdout accuracy fell from its best beyond 3 binomial sigmas (the best of many
     noisy evaluations sits above the truth, hence 3) and by 5 points."""
     found = _best_and_end(h.accuracy, h.steps, np.argmax)
     if found is None or found[0] - found[1] < max(0.05, 3 * _sigma((found[0] + found[1]) / 2, n)):
         return None
-    best, end, where, _ = found
-    pair = _best_and_end_evaluations(h, h.accuracy, where[0])
-    counts = _lost_and_gained(h, *pair) if pair else None
+    best, end, where, _, evaluations = found
+    counts = _lost_and_gained(h, *evaluations)
     if counts is not None:   # McNemar: the examples lost since the best against those gained
         lost, gained = counts
         if lost - gained < 3 * math.sqrt(max(lost + gained, 1)):
@@ -1681,23 +1668,23 @@ def _holdout_accuracy_fall(h: Holdout, n: int):
 
 
 def _lost_and_gained(h: Holdout, a: int, b: int):
-    """(examples right at evaluation a and wrong at b, the other way round), or None without predictions."""
-    right = []
-    for k in (a, b):
-        labels, predictions = h.raw[k].get("labels"), h.raw[k].get("predictions")
-        if not (_is_class_list(labels) and _is_class_list(predictions) and len(labels) == len(predictions)):
-            return None
-        right.append(np.array(labels) == np.array(predictions))
-    if len(right[0]) != len(right[1]):
+    """(examples right at evaluation a and wrong at b, the other way round), from the holdout's right/wrong
+    matrix; None where it has no column for either."""
+    if h.kind != "classification" or h.correct is None:
         return None
-    return int((right[0] & ~right[1]).sum()), int((~right[0] & right[1]).sum())
+    columns = [np.flatnonzero(h.matrix_steps == h.steps[k]) for k in (a, b)]
+    if any(len(c) != 1 for c in columns):
+        return None
+    right_a, right_b = (h.correct[:, c[0]].astype(bool) for c in columns)
+    return int((right_a & ~right_b).sum()), int((~right_a & right_b).sum())
 
 
 def _best_and_end(values, steps, pick):
-    """(best, end, [step of the best, last step], the finite values) of a holdout series: the best of its
-    3-point smoothing (`pick` is np.argmin or np.argmax) and the median of its last three. None with fewer
-    than 5 values, or when the best lies in the last fifth of the run: nothing has had time to fall from it."""
-    ok = np.isfinite(values)
+    """(best, end, [step of the best, last step], the finite values, (index of the evaluation the best is,
+    index of the one the end is)) of a holdout series: the best of its 3-point smoothing (`pick` is np.argmin
+    or np.argmax) and the median of its last three, each a value one evaluation had. None with fewer than 5
+    values, or when the best lies in the last fifth of the run: nothing has had time to fall from it."""
+    ok = np.flatnonzero(np.isfinite(values))
     x, st = values[ok], steps[ok]
     if len(x) < 5:
         return None
@@ -1705,7 +1692,11 @@ def _best_and_end(values, steps, pick):
     b = int(pick(sm))
     if st[-1] - st[b] < 0.2 * max(st[-1] - st[0], 1):
         return None
-    return float(sm[b]), float(np.median(x[-3:])), [int(st[b]), int(st[-1])], x
+    end = float(np.median(x[-3:]))
+    lo = max(b - 1, 0)
+    at_best = lo + int(np.flatnonzero(x[lo:b + 2] == sm[b])[0])   # a median of 3 is one of them (the ends padded)
+    at_end = len(x) - 3 + int(np.flatnonzero(x[-3:] == end)[0])
+    return float(sm[b]), end, [int(st[b]), int(st[-1])], x, (int(ok[at_best]), int(ok[at_end]))
 
 
 def check_overfitting(run: Run) -> list:

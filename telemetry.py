@@ -2888,8 +2888,10 @@ def _record_head(step: int, batch_idx: int, epoch: int, loss: Any, scalars: Dict
 
 def _one_number(value: Any) -> Any:
     # A one-element tensor of any shape (DataParallel's loss is [1] on one GPU) is recorded as the number.
-    return value.detach().reshape(()) if isinstance(value, torch.Tensor) and value.numel() == 1 else \
-        value.detach() if isinstance(value, torch.Tensor) else value
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    return value.reshape(()) if value.numel() == 1 else value
 
 
 def _null_ratios_of_zero_weights(record: Dict[str, Any]) -> None:
@@ -3279,7 +3281,6 @@ class _Schedule:
         self.seen: Dict[int, int] = {}  # optimizer id -> its step count at the previous call
         self.due = False
         self.calls_without_step = 0
-        self.batch_idx: Optional[int] = None  # of the latest call
         self.collected_at: Optional[int] = None  # batch_idx of the latest collection, until the next step
 
     def advance(self, optimizer: Any, batch_idx: int) -> int:
@@ -3296,16 +3297,15 @@ class _Schedule:
         # A second call for the batch just collected (no step in between) does not ask for another collection.
         if batch_idx % self.every == 0 and batch_idx != self.collected_at:
             self.due = True
-        self.batch_idx = batch_idx
         return taken
 
     def will_collect(self, batch_idx: int) -> bool:
         return self.due or batch_idx % self.every == 0
 
-    def take_due(self) -> bool:
+    def take_due(self, batch_idx: int) -> bool:
         due, self.due = self.due, False
         if due:
-            self.collected_at = self.batch_idx
+            self.collected_at = batch_idx
         return due
 
 
@@ -4138,7 +4138,7 @@ class TrainingTelemetry:
         self.step += taken
         if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_ddp(model), optimizer)
-        if not self._schedule.take_due() or not self._active():
+        if not self._schedule.take_due(batch_idx) or not self._active():
             if 0 < self._silent_warn_step <= self.step:
                 self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx was never a "
                                      f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
