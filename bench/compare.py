@@ -152,13 +152,13 @@ def build_workload(name):
 
 
 # =====================================================================================================
-# The naive baseline: the seed's sketch (004) done the obvious way
+# The naive baseline: the same sections done the obvious way
 # =====================================================================================================
 
 
 class NaiveTelemetry:
     """Per-parameter `.norm().item()`, a full torch.save/torch.load of the state dict for the weight delta,
-    the holdout forward, appended as JSON lines: what the seed's sketch reads as, line by line."""
+    the holdout forward, appended as JSON lines: the straightforward way to write these sections."""
 
     def __init__(self, output_dir, every, holdout, predict):
         self.every, self.holdout, self.predict = every, holdout, predict
