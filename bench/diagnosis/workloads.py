@@ -64,7 +64,7 @@ class Split:
 
 
 def load_split(name: str, seed: int) -> Split:
-    """Train / holdout / test, shuffled by the seed; features standardised with train statistics."""
+    """Train / holdout / test, shuffled by the run's random seed; features standardised with train statistics."""
     data, target = _sklearn(name)
     n_train, n_hold = SPLITS[name]
     order = np.random.RandomState(1000 + seed).permutation(len(data))
