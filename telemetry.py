@@ -1178,6 +1178,7 @@ _DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"
 
 
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_DATA_ALIGN = 4096
 
 
 def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callable[[], Any]] = None,
@@ -1235,7 +1236,9 @@ def tensor_file_header(named: List[tuple], metadata: Optional[Dict[str, str]] = 
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
+    # The data section starts on a page boundary (safetensors allows a header padded with spaces): at some
+    # offsets the kernel copies a write into the page cache several times slower.
+    blob += b" " * (-(8 + len(blob)) % _DATA_ALIGN)
     return header, blob
 
 

@@ -228,6 +228,23 @@ def test_reference_holds_only_trainable_weights_and_loads_without_pickle(tmp_pat
     assert b"pickle" not in path.read_bytes()[:200] and path.read_bytes()[8:9] == b"{"
 
 
+def test_reference_data_starts_on_a_page_whatever_the_names(tmp_path):
+    """The header is padded so the tensors start at a multiple of 4096 bytes: at some offsets (80 bytes,
+    e.g.) rewriting a large reference was measured several times slower (bench/write_alignment.py)."""
+    from safetensors.torch import load_file
+
+    for k in range(1, 40, 7):  # names of several lengths give headers of several lengths
+        path = str(tmp_path / f"ref{k}.safetensors")
+        named = [("w" * k, torch.randn(5, 3)), ("b" * (2 * k), torch.arange(7, dtype=torch.int64))]
+        telemetry.write_tensor_file(path, named, metadata={"step": str(k)})
+        raw = open(path, "rb").read()
+        data_offset = 8 + int.from_bytes(raw[:8], "little")
+        assert data_offset % 4096 == 0 and raw[8:9] == b"{"
+        loaded = load_file(path)
+        assert all(torch.equal(loaded[n], t) for n, t in named)
+        assert telemetry.tensor_file_info(path)[1] == data_offset
+
+
 def test_reference_write_is_atomic_when_interrupted(tmp_path):
     path = str(tmp_path / "ref.safetensors")
     good = [("a", torch.arange(4.0)), ("b", torch.ones(3))]
