@@ -1888,7 +1888,7 @@ def check_unshuffled_batches(run: Run) -> list:
 
 
 def check_repeated_batches(run: Run) -> list:
-    """The same batch again within one epoch (equal input fingerprints, sum x and sum x^2 in float64): a
+    """The same batch again within one epoch (equal input fingerprints: sum x and sum x^2): a
     loader that hands out one batch over and over. Full-batch training is one batch per epoch, so never the
     same epoch twice; a resume replays batches, so each segment counts alone."""
     seen, repeats, fingerprints = {}, [], set()

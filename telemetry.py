@@ -1182,7 +1182,7 @@ _DATA_ALIGN = 4096
 
 
 def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callable[[], Any]] = None,
-                      metadata: Optional[Dict[str, str]] = None) -> Any:
+                      metadata: Optional[Dict[str, str]] = None, header: Optional[tuple] = None) -> Any:
     """Write [(name, tensor)] as a safetensors file, streaming from the tensors' own memory; `metadata`
     ({str: str}) goes in the header's __metadata__.
 
@@ -1196,8 +1196,9 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     The side file is created afresh (whatever stood at its name, a planted link included, is removed, never
     written through). No fsync: this is a cache that a power cut may lose; tensor_file_info refuses what
     such a cut leaves half-written, and fsync per collection would dominate its cost.
+    `header`: what tensor_file_header(named, metadata) gives, when the caller has it already.
     """
-    _, blob = tensor_file_header(named, metadata)
+    _, blob = header or tensor_file_header(named, metadata)
     size = 8 + len(blob) + sum(t.numel() * t.element_size() for _, t in named)
     spare = path + ".spare"
     f = _open_spare(spare, size)
@@ -2240,12 +2241,13 @@ class _AlertMonitor:
         self.collections = 0
         self.pending: List[Dict[str, Any]] = []  # new alerts not yet handed to on_alert
 
-    def check(self, record: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
-        """The alerts whose condition starts in this host record (the `alerts` section), logged as they start."""
+    def check(self, record: Dict[str, Any], nonfinite: bool = True) -> Optional[List[Dict[str, Any]]]:
+        """The alerts whose condition starts in this host record (the `alerts` section), logged as they start.
+        nonfinite=False: the record is known to hold no NaN/Inf (host_record said so), and is not searched."""
         self.collections += 1
         holding: Dict[tuple, Dict[str, Any]] = {}
         for code, severity, message, group in itertools.chain(
-                _nonfinite_alerts(record), self._loss_spikes(record), self._gradient_spikes(record),
+                _nonfinite_alerts(record) if nonfinite else (), self._loss_spikes(record), self._gradient_spikes(record),
                 _lr_zero_alerts(record), self._frozen_groups(record)):
             if (code, group) not in holding:
                 holding[(code, group)] = {"code": code, "severity": severity, "message": message,
@@ -3393,15 +3395,15 @@ class _WrittenHeaders:
         self.known.pop(path, None)
         self.known.pop(spare, None)
         done: List[bool] = []
+        header, blob = tensor_file_header(named, metadata)
 
         def tracked(*args):
-            result = write_tensor_file(*args)
+            result = write_tensor_file(*args, header=(header, blob))
             done.append(True)
             return result
         result = write(tracked, path, named, meanwhile, metadata)
         if done:
-            header, blob = tensor_file_header(named, metadata)
-            header.pop("__metadata__", None)
+            header = {k: v for k, v in header.items() if k != "__metadata__"}
             self.known[path] = (_stat_signature(path), (header, 8 + len(blob), dict(metadata)))
             if previous is not None and os.path.lexists(spare):
                 self.known[spare] = (_stat_signature(spare), previous)
@@ -3610,10 +3612,13 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
 
 
 def batch_fingerprint(inputs: torch.Tensor) -> List[torch.Tensor]:
-    """[sum x, sum x^2] of a batch's first tensor in float64: equal for the same batch, all but never for
-    two different ones. On the device: it rides the record's one transfer."""
-    x = inputs.detach().double()
-    return [x.sum(), x.square().sum()]
+    """[sum x, sum x^2] of a batch's first tensor: equal for the same batch, all but never for two different
+    ones. float32 and float64 inputs are summed as they are (a float64 copy of an image batch cost more than
+    the rest of the section); integers (token ids) and half precision in float64, exactly for integers. On
+    the device: it rides the record's one transfer."""
+    x = inputs.detach()
+    x = (x if x.dtype in (torch.float32, torch.float64) else x.double()).reshape(-1)
+    return [x.sum(), torch.dot(x, x)]
 
 
 def holdout_batches(data: Any, limit: int, label_key: Optional[str]) -> List[Any]:
@@ -4284,7 +4289,7 @@ class TrainingTelemetry:
         if c.layout is not None and nonfinite:  # rare: one more pass names the culprits
             c.add("nonfinite_params", nonfinite_params, c.layout)
         if cfg.alerts:
-            c.add("alerts", self._alerts.check, c.record)
+            c.add("alerts", self._alerts.check, c.record, nonfinite)
         record = c.record
         record["telemetry_ms"] = self._clock.last_ms = (time.perf_counter() - started) * 1e3
         self._silent_warn_step = -1
