@@ -344,6 +344,8 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     buckets: Dict[Any, List[int]] = {}
     for i, t in enumerate(tensors):
         buckets.setdefault((t.device, t.dtype), []).append(i)
+    if len(buckets) == 1 and tensors[0].device == device and _pass_threads(tensors) == 1:  # the common case
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     for (dev, _), idx in buckets.items():
         bucket = [tensors[i] for i in idx]
@@ -3327,16 +3329,19 @@ class _Gradients:
         exists, on the host). DeepSpeed's partitioned gradients come through full_gradient."""
         grads = [full_gradient(p) for p in layout.params]
         idx = [i for i, g in enumerate(grads) if g is not None]
-        has = torch.zeros(len(grads))
-        has[idx] = 1.0
+        every = len(idx) == len(grads)
+        has = torch.ones(len(grads)) if every else torch.zeros(len(grads)).index_fill_(0, torch.tensor(idx, dtype=torch.long), 1.0)
         for i in idx:
             if is_sharded(grads[i]) and any(pl.is_partial() for pl in grads[i].placements):
                 raise ValueError(f"the gradient of {layout.names[i]} is Partial (not reduced yet)")
         present = [local_part(grads[i]) for i in idx]
         device = present[0].device if present else torch.device("cpu")
-        sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
-        if present:
-            sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms([_dense(g) for g in present], device)
+        if every and present:
+            sq = per_tensor_sq_norms([_dense(g) for g in present], device)
+        else:
+            sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
+            if present:
+                sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms([_dense(g) for g in present], device)
         scale = self.scaler.scale_of(optimizer, pre_step)
         if scale is not None:
             sq = sq / scale.to(device, torch.float32).square()
