@@ -344,9 +344,7 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     buckets: Dict[Any, List[int]] = {}
     for i, t in enumerate(tensors):
         buckets.setdefault((t.device, t.dtype), []).append(i)
-    if len(buckets) == 1 and tensors[0].device == device and _pass_threads(tensors) == 1:  # the common case
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
-    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    out = torch.empty(len(tensors), dtype=torch.float32, device=device) if len(buckets) > 1 else None
     for (dev, _), idx in buckets.items():
         bucket = [tensors[i] for i in idx]
         threads = _pass_threads(bucket)
@@ -364,8 +362,9 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
                 for run in runs]) for norm in part]
             sq = torch.zeros(len(bucket), dtype=torch.float32, device=dev).index_add_(
                 0, torch.tensor(owner, device=dev), torch.stack(norms).square())
-        sq = sq.to(device)
-        out[torch.tensor(idx, device=device)] = sq
+        if out is None:  # one device and dtype, the common case: sq is every tensor's, in order
+            return sq.to(device)
+        out[torch.tensor(idx, device=device)] = sq.to(device)
     return out
 
 
@@ -3329,19 +3328,17 @@ class _Gradients:
         exists, on the host). DeepSpeed's partitioned gradients come through full_gradient."""
         grads = [full_gradient(p) for p in layout.params]
         idx = [i for i, g in enumerate(grads) if g is not None]
-        every = len(idx) == len(grads)
-        has = torch.ones(len(grads)) if every else torch.zeros(len(grads)).index_fill_(0, torch.tensor(idx, dtype=torch.long), 1.0)
+        has = torch.zeros(len(grads))
+        has[idx] = 1.0
         for i in idx:
             if is_sharded(grads[i]) and any(pl.is_partial() for pl in grads[i].placements):
                 raise ValueError(f"the gradient of {layout.names[i]} is Partial (not reduced yet)")
         present = [local_part(grads[i]) for i in idx]
         device = present[0].device if present else torch.device("cpu")
-        if every and present:
-            sq = per_tensor_sq_norms([_dense(g) for g in present], device)
-        else:
-            sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
-            if present:
-                sq[torch.tensor(idx, device=device)] = per_tensor_sq_norms([_dense(g) for g in present], device)
+        sq = per_tensor_sq_norms([_dense(g) for g in present], device)
+        if len(present) < len(grads):  # a tensor without a gradient holds 0 (and `has` says it has none)
+            sq = torch.zeros(len(grads), dtype=torch.float32, device=device).index_copy_(
+                0, torch.tensor(idx, dtype=torch.long, device=device), sq)
         scale = self.scaler.scale_of(optimizer, pre_step)
         if scale is not None:
             sq = sq / scale.to(device, torch.float32).square()

@@ -28,11 +28,21 @@ from compare import build_cnn, build_mlp  # noqa: E402  (the benchmark's own wor
 
 
 def load(name, path):
+    """The Python file at `path` imported as module `name`."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def telemetry_at(revision, directory):
+    """The path of git revision `revision`'s telemetry.py, written into `directory`."""
+    path = os.path.join(directory, "telemetry_baseline.py")
+    with open(path, "wb") as f:
+        f.write(subprocess.run(["git", "-C", REPO, "show", f"{revision}:telemetry.py"], check=True,
+                               capture_output=True).stdout)
+    return path
 
 
 def main(argv=None) -> int:
@@ -45,12 +55,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "telemetry_baseline.py")
-        with open(base, "wb") as f:
-            f.write(subprocess.run(["git", "-C", REPO, "show", f"{args.baseline}:telemetry.py"], check=True,
-                                   capture_output=True).stdout)
         versions = {"this": load("telemetry_this", os.path.join(REPO, "telemetry.py")),
-                    args.baseline: load("telemetry_baseline", base)}
+                    args.baseline: load("telemetry_baseline", telemetry_at(args.baseline, tmp))}
         wl = build_cnn() if args.workload == "cnn" else build_mlp()
         model, opt = wl.model, wl.opt_factory(wl.model.parameters())
         runs = {name: module.TrainingTelemetry(module.TelemetryConfig(

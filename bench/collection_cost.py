@@ -16,7 +16,6 @@ the compile must stay off the first collection's path.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +31,7 @@ from torch import nn
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import telemetry  # noqa: E402
+from ab_collection import load, telemetry_at  # noqa: E402
 from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -180,10 +180,7 @@ def timed_collections(telemetry_run, model, optimizer, step, repeats):
 
 def first_collection_child(path, width, layers):
     """One fresh process's first collection with the telemetry.py at `path` (JSON on stdout)."""
-    spec = importlib.util.spec_from_file_location("telemetry_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load("telemetry_under_test", path)
     torch.set_num_threads(os.cpu_count() or 1)
     model, optimizer, step = build(width, layers)
     with tempfile.TemporaryDirectory() as out:
@@ -197,11 +194,7 @@ def first_collection_child(path, width, layers):
 def first_collections(args):
     """Median first-collection seconds {"this": ..., REV: ...} over alternating fresh child processes."""
     with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "telemetry_baseline.py")
-        with open(base, "wb") as f:
-            f.write(subprocess.run(["git", "-C", REPO, "show", f"{args.baseline}:telemetry.py"], check=True,
-                                   capture_output=True).stdout)
-        paths = {"this": os.path.join(REPO, "telemetry.py"), args.baseline: base}
+        paths = {"this": os.path.join(REPO, "telemetry.py"), args.baseline: telemetry_at(args.baseline, tmp)}
         got = {name: [] for name in paths}
         for k in range(args.first_rounds):
             for name in (list(paths) if k % 2 == 0 else list(paths)[::-1]):
