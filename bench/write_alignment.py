@@ -2,8 +2,8 @@
 
     python bench/write_alignment.py [--mib 192] [--repeats 7] [--dir DIR]
 
-The reference file is rewritten at every collection (telemetry.write_tensor_file). Its data section used to
-start right after the JSON header, at any multiple of 8; on some machines the kernel's copy into the page
+The reference file is rewritten at every collection (telemetry.write_tensor_file). A safetensors data section
+may start right after the JSON header, at any multiple of 8; on some machines the kernel's copy into the page
 cache is several times slower at some of those offsets. telemetry.py pads the header so the data starts at
 a multiple of 4096. This rewrites one file in place with the data at a few offsets, alternating, and prints
 the median time of each, then times write_tensor_file itself (rename and spare included).
