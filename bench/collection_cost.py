@@ -205,6 +205,43 @@ def first_collections(args):
     return {name: statistics.median(values) for name, values in got.items()}
 
 
+def compile_cost_child(width, layers, steps):
+    """A fresh process's training steps after its first collection (JSON on stdout): while the background
+    compile that the collection starts runs, or `steps` of them when nothing compiles (TELEMETRY_COMPILE=0),
+    with the resident memory before and after them. Each step calls the hook, which does not collect again."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, optimizer, step = build(width, layers)
+    with tempfile.TemporaryDirectory() as out:
+        run = TrainingTelemetry(TelemetryConfig(output_dir=out, collect_every_n=10**9, track_holdout_logits=False,
+                                                track_batch_stats=False, strict=True))
+        for _ in range(2):  # the optimizer's and autograd's first allocations
+            step()
+        run.on_batch_end(model, optimizer, 0, 0)  # the first collection; a compile starts as it ends
+        started, rss = time.perf_counter(), rss_bytes()
+        times = []
+        while telemetry._FUSED.compiling if steps is None else len(times) < steps:
+            begin = time.perf_counter()
+            step()
+            run.on_batch_end(model, optimizer, len(times) + 1, 0)
+            times.append(time.perf_counter() - begin)
+        print(json.dumps({"ready_s": time.perf_counter() - started, "steps_s": times, "rss_added": rss_bytes() - rss,
+                          "kernels": sum(callable(k) for k in telemetry._FUSED.kernels.values()),
+                          "failure": telemetry._FUSED.failure()}))
+
+
+def compile_cost(args):
+    """The background compile's cost, against a process that does not compile: (with, without) results."""
+    def child(env, steps=None):
+        cmd = [sys.executable, __file__, "--compile-child", str(steps or 0), "--width", str(args.width),
+               "--layers", str(args.layers)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONWARNINGS="ignore", **env))
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as cache:  # empty: what a machine's first run compiles
+        fused = child({"TELEMETRY_COMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": cache})
+    return fused, child({"TELEMETRY_COMPILE": "0"}, steps=max(len(fused["steps_s"]), 1))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=4096)
@@ -213,10 +250,15 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-timeout", type=float, default=600.0)
     parser.add_argument("--baseline", help="git revision whose first collection is timed against this one")
     parser.add_argument("--first-rounds", type=int, default=3)
+    parser.add_argument("--no-compile-cost", action="store_true", help="skip the background compile's cost")
     parser.add_argument("--first-child", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.first_child:
         first_collection_child(args.first_child, args.width, args.layers)
+        return 0
+    if args.compile_child is not None:
+        compile_cost_child(args.width, args.layers, args.compile_child or None)
         return 0
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"load average at the start: {open('/proc/loadavg').read().split()[0]}")
@@ -239,6 +281,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(os.cpu_count() or 1)
         per_call_us = skipped_call_us(out, model, optimizer)
     report(args, model_bytes, bandwidth, passes, floor, compile_s, times, rises, ops, threads, per_call_us)
+    if not args.no_compile_cost:
+        fused, plain = compile_cost(args)
+        during, without = statistics.median(fused["steps_s"] or [0.0]), statistics.median(plain["steps_s"])
+        print(f"background compile in a fresh process with an empty inductor cache (a machine's first run): "
+              f"{fused['kernels']} kernel(s) ready {fused['ready_s']:.1f} s after the first collection "
+              f"(failure: {fused['failure']}); training steps meanwhile: median {during * 1e3:.0f} ms over "
+              f"{len(fused['steps_s'])}, against {without * 1e3:.0f} ms with TELEMETRY_COMPILE=0: RATIO "
+              f"{during / without:.2f}x; resident memory added meanwhile: {fused['rss_added'] / 2**20:.0f} MiB "
+              f"(with TELEMETRY_COMPILE=0, over as many steps: {plain['rss_added'] / 2**20:.0f} MiB)")
     if args.baseline:
         first = first_collections(args)
         print(f"first collection of a fresh process (median of {args.first_rounds}, alternating child processes): "
