@@ -1133,12 +1133,16 @@ def report(args, results, repeats, analyze, total):
     if ck:
         extra.append(f"- Cockpit runs in {repo_relative(COCKPIT_PYTHON)} (torch {ck[0].get('torch')}): its ratios are against a bare "
                      "loop measured in that venv")
-    waited = sorted({(r["workload"], r["config"], r["interval"], r["warmup_run"] - r["warmup"]) for r in results
-                     if r.get("status") == "ok" and r.get("warmup_run", r["warmup"]) > r["warmup"]})
+    waited = defaultdict(list)  # (workload, config, interval) -> extra warm-up steps of each child that waited
+    for r in results:
+        if r.get("status") == "ok" and r.get("warmup_run", r["warmup"]) > r["warmup"]:
+            waited[(r["workload"], r["config"], r["interval"])].append(r["warmup_run"] - r["warmup"])
     if waited:
         extra.append("- windows opened after telemetry's background compile of its fused kernels ended (the steady "
                      "state; `bench/collection_cost.py` measures what the compile itself costs), the warm-up longer "
-                     "by whole intervals: " + "; ".join(f"{w} {c} every {n}: +{k} steps" for w, c, n, k in waited))
+                     "by whole intervals, in the children that waited: "
+                     + "; ".join(f"{w} {c} every {n}: +{', +'.join(map(str, ks))} steps"
+                                 for (w, c, n), ks in sorted(waited.items())))
     tl = targets(summary)
     target_lines = [f"- {'n/a' if ok is None else 'n/a (within noise)' if ok == 'noise' else verdict(ok)} {text}"
                     for text, ok in tl]
