@@ -191,6 +191,14 @@ def first_collection_child(path, width, layers):
         print(json.dumps({"first_s": time.perf_counter() - start}))
 
 
+def child_json(args, *flags, env=None):
+    """What a fresh process of this script run with `flags` (on the same model) prints last, as JSON."""
+    out = subprocess.run([sys.executable, __file__, *flags, "--width", str(args.width), "--layers", str(args.layers)],
+                         check=True, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def first_collections(args):
     """Median first-collection seconds {"this": ..., REV: ...} over alternating fresh child processes."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,17 +206,15 @@ def first_collections(args):
         got = {name: [] for name in paths}
         for k in range(args.first_rounds):
             for name in (list(paths) if k % 2 == 0 else list(paths)[::-1]):
-                out = subprocess.run([sys.executable, __file__, "--first-child", paths[name], "--width",
-                                      str(args.width), "--layers", str(args.layers)], check=True,
-                                     capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-                got[name].append(json.loads(out.stdout.strip().splitlines()[-1])["first_s"])
+                got[name].append(child_json(args, "--first-child", paths[name])["first_s"])
     return {name: statistics.median(values) for name, values in got.items()}
 
 
-def compile_cost_child(width, layers, steps):
+def compile_cost_child(width, layers, steps, timeout):
     """A fresh process's training steps after its first collection (JSON on stdout): while the background
-    compile that the collection starts runs, or `steps` of them when nothing compiles (TELEMETRY_COMPILE=0),
-    with the resident memory before and after them. Each step calls the hook, which does not collect again."""
+    compile that the collection starts runs (for `timeout` seconds at most), or `steps` of them when nothing
+    compiles (TELEMETRY_COMPILE=0), with the resident memory before and after them. Each step calls the hook,
+    which does not collect again."""
     torch.set_num_threads(os.cpu_count() or 1)
     model, optimizer, step = build(width, layers)
     with tempfile.TemporaryDirectory() as out:
@@ -219,7 +225,8 @@ def compile_cost_child(width, layers, steps):
         run.on_batch_end(model, optimizer, 0, 0)  # the first collection; a compile starts as it ends
         started, rss = time.perf_counter(), rss_bytes()
         times = []
-        while telemetry._FUSED.compiling if steps is None else len(times) < steps:
+        compiling = lambda: telemetry._FUSED.compiling and time.perf_counter() - started < timeout
+        while compiling() if steps is None else len(times) < steps:
             begin = time.perf_counter()
             step()
             run.on_batch_end(model, optimizer, len(times) + 1, 0)
@@ -231,12 +238,8 @@ def compile_cost_child(width, layers, steps):
 
 def compile_cost(args):
     """The background compile's cost, against a process that does not compile: (with, without) results."""
-    def child(env, steps=None):
-        cmd = [sys.executable, __file__, "--compile-child", str(steps or 0), "--width", str(args.width),
-               "--layers", str(args.layers)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                             env=dict(os.environ, PYTHONWARNINGS="ignore", **env))
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    def child(env, steps=0):
+        return child_json(args, "--compile-child", str(steps), "--compile-timeout", str(args.compile_timeout), env=env)
     with tempfile.TemporaryDirectory() as cache:  # empty: what a machine's first run compiles
         fused = child({"TELEMETRY_COMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": cache})
     return fused, child({"TELEMETRY_COMPILE": "0"}, steps=max(len(fused["steps_s"]), 1))
@@ -258,7 +261,7 @@ def main(argv=None) -> int:
         first_collection_child(args.first_child, args.width, args.layers)
         return 0
     if args.compile_child is not None:
-        compile_cost_child(args.width, args.layers, args.compile_child or None)
+        compile_cost_child(args.width, args.layers, args.compile_child or None, args.compile_timeout)
         return 0
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"load average at the start: {open('/proc/loadavg').read().split()[0]}")
