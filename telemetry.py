@@ -590,6 +590,19 @@ def move_to(batch: Any, device: torch.device) -> Any:
 # ---- records: one transfer to the host, strict JSON ------------------------------------------------
 
 
+def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
+
+
+def _to_device(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """x on dev. From CPU memory to a CUDA device through a pinned block: the host copy into it is the only
+    wait, and the transfer runs while the caller goes on. torch's caching host allocator hands the block out
+    again only once the transfer has finished."""
+    if x.device.type == "cpu" and dev.type == "cuda":
+        return _pinned_copy(x).to(dev, non_blocking=True)
+    return x.to(dev)
+
+
 def to_host(record: Dict[str, Any]) -> Dict[str, Any]:
     """Replace every tensor in a nested record by Python numbers, with one device-to-host copy per device.
 
@@ -809,63 +822,55 @@ def layer_index(name: str) -> Optional[int]:
     return None
 
 
-def _lora_mats(a: torch.Tensor, b: torch.Tensor) -> tuple:
+def _wide(device: torch.device) -> torch.dtype:
     # float64 (float32 on mps, which has none): Grams of float32 factors then stay exact to ~1e-16.
-    wide = torch.float32 if a.device.type == "mps" else torch.float64
-    r = a.shape[0]
-    return a.detach().reshape(r, -1).to(wide), b.detach().reshape(-1, r).to(device=a.device, dtype=wide)
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def lora_norm_sq(a: torch.Tensor, b: torch.Tensor, scale: Any) -> torch.Tensor:
     """||s B A||_F^2 = s^2 <B^T B, A A^T>, from two r x r Gram matrices: the dense B @ A is never formed.
 
-    ||BA||^2 = tr(A^T B^T B A) = tr((B^T B)(A A^T)), and a trace of a product of symmetric matrices is their
-    elementwise inner product. Cost r^2 (fan_in + fan_out) instead of r fan_in fan_out.
+    A is [r, fan_in] and B [fan_out, r], or stacks of them ([m, r, fan_in], [m, fan_out, r]) with s a scalar
+    or [m]: one value per pair. ||BA||^2 = tr(A^T B^T B A) = tr((B^T B)(A A^T)), and a trace of a product of
+    symmetric matrices is their elementwise inner product. Cost r^2 (fan_in + fan_out) instead of
+    r fan_in fan_out.
     """
-    a2, b2 = _lora_mats(a, b)
-    return ((b2.T @ b2) * (a2 @ a2.T)).sum() * (scale * scale)
+    a, b = a.detach().to(_wide(a.device)), b.detach().to(a.device, _wide(a.device))
+    return ((b.mT @ b) * (a @ a.mT)).sum((-2, -1)) * (scale * scale)
 
 
 def lora_delta_sq(a: torch.Tensor, b: torch.Tensor, a_prev: torch.Tensor, b_prev: torch.Tensor,
                   scale: Any) -> torch.Tensor:
-    """||s B A - s B0 A0||_F^2 from 2r x 2r Gram matrices, without cancellation.
+    """||s B A - s B0 A0||_F^2 from 2r x 2r Gram matrices, without cancellation (shapes as lora_norm_sq).
 
     B A - B0 A0 = (B - B0) A + B0 (A - A0) = P Q with P = [B - B0, B0] (fan_out x 2r) and Q = [A; A - A0]
     (2r x fan_in), so the squared norm is s^2 <P^T P, Q Q^T>. Every term is of the order of the change, so
     a small step of a large adapter keeps full precision; expanding ||BA||^2 + ||B0A0||^2 - 2<BA, B0A0>
     would lose it. Both states use the current scaling s.
     """
-    a2, b2 = _lora_mats(a, b)
-    a0, b0 = _lora_mats(a_prev.to(a.device), b_prev.to(a.device))
-    p = torch.cat([b2 - b0, b0], dim=1)
-    q = torch.cat([a2, a2 - a0], dim=0)
-    return ((p.T @ p) * (q @ q.T)).sum() * (scale * scale)
+    wide = _wide(a.device)
+    a, b = a.detach().to(wide), b.detach().to(a.device, wide)
+    a0, b0 = a_prev.to(a.device, wide), b_prev.to(a.device, wide)
+    p = torch.cat([b - b0, b0], dim=-1)
+    q = torch.cat([a, a - a0], dim=-2)
+    return ((p.mT @ p) * (q @ q.mT)).sum((-2, -1)) * (scale * scale)
 
 
 def lora_core(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The small matrix R_B R_A^T that has the singular values of B A.
+    """The small matrix R_B R_A^T that has the singular values of B A (shapes as lora_norm_sq).
 
     With reduced QRs B = Q_B R_B and A^T = Q_A R_A, B A = Q_B (R_B R_A^T) Q_A^T, and Q_B, Q_A have
     orthonormal columns: the SVD of an r x r matrix replaces that of the fan_out x fan_in product.
     """
-    a2, b2 = _lora_mats(a, b)
-    return torch.linalg.qr(b2, mode="r")[1] @ torch.linalg.qr(a2.T, mode="r")[1].T
+    a, b = a.detach().to(_wide(a.device)), b.detach().to(a.device, _wide(a.device))
+    return torch.linalg.qr(b, mode="r")[1] @ torch.linalg.qr(a.mT, mode="r")[1].mT
 
 
-def stable_ranks(cores: List[torch.Tensor]) -> torch.Tensor:
-    """||M||_F^2 / sigma_max(M)^2 of each matrix (0 for a zero matrix), one batched SVD per shape."""
-    if not cores:
-        return torch.zeros(0)
-    out = torch.zeros(len(cores), dtype=cores[0].dtype, device=cores[0].device)
-    buckets: Dict[Any, List[int]] = {}
-    for i, m in enumerate(cores):
-        buckets.setdefault((tuple(m.shape), m.device), []).append(i)
-    for idx in buckets.values():
-        sv = torch.linalg.svdvals(torch.stack([cores[i] for i in idx]))  # [n, k], descending
-        top = sv[:, 0].square()
-        ranks = torch.where(top > 0, sv.square().sum(1) / top.clamp(min=torch.finfo(top.dtype).tiny), 0.0)
-        out[torch.tensor(idx, device=out.device)] = ranks.to(out.device)
-    return out
+def stable_ranks(cores: torch.Tensor) -> torch.Tensor:
+    """||M||_F^2 / sigma_max(M)^2 of each matrix of a stack [m, k, k] (0 for a zero matrix), one batched SVD."""
+    sv = torch.linalg.svdvals(cores)  # [m, k], descending
+    top = sv[:, 0].square()
+    return torch.where(top > 0, sv.square().sum(1) / top.clamp(min=torch.finfo(top.dtype).tiny), 0.0)
 
 
 def _by_layer(values_sq: torch.Tensor, layers: List[Optional[int]]) -> Dict[str, Any]:
@@ -881,36 +886,62 @@ def _by_layer(values_sq: torch.Tensor, layers: List[Optional[int]]) -> Dict[str,
     return out
 
 
+def _stacked(tensors: List[torch.Tensor], shape: tuple, device: torch.device) -> torch.Tensor:
+    """The tensors, each viewed as `shape`, stacked on `device` in the wide dtype: from CPU memory (a file's)
+    in one transfer, where one per small tensor would cost more than its bytes."""
+    parts = [t.detach().reshape(shape) for t in tensors]
+    if device.type != "cpu" and all(t.device.type == "cpu" for t in parts):
+        return _to_device(torch.stack(parts), device).to(_wide(device))
+    return torch.stack([t.to(device) for t in parts]).to(_wide(device))
+
+
+def _scales(scales: List[Any], device: torch.device) -> torch.Tensor:
+    if all(isinstance(s, (int, float)) for s in scales):
+        return torch.tensor(scales, dtype=_wide(device), device=device)
+    return torch.stack([torch.as_tensor(s).to(device, _wide(device)) for s in scales])
+
+
 def lora_stats(entries: List[tuple], previous: Optional[Any] = None) -> Dict[str, Any]:
     """The `lora` record section from [(module name, A, B, scale)] (see lora_factors).
 
     `previous` yields (A0, B0) for each entry, in order, as of the last collection; None (no reference yet)
     leaves adapter_delta null. Norms are Frobenius norms of dW = s B A, combined over modules (and per layer
     index) by root-sum-square. For DoRA they cover the low-rank part s B A, not the magnitude rescaling.
+    Adapters of one shape are stacked and measured together: a model's hundreds of adapters come to a few
+    batched products, QRs and SVDs rather than several small ones each.
     """
-    prev = iter(previous) if previous is not None else None
+    prev = list(previous) if previous is not None else None
     device = entries[0][1].device
-    norm_sq, delta_sq, b_nonzero, cores = [], [], [], []
-    for _, a, b, scale in entries:
-        norm_sq.append(lora_norm_sq(a, b, scale).to(device))
+    wide = _wide(device)
+    norm_sq, delta_sq, ranks = (torch.zeros(len(entries), dtype=wide, device=device) for _ in range(3))
+    b_nonzero = torch.zeros(len(entries), dtype=torch.bool, device=device)
+    shapes: Dict[tuple, List[int]] = {}
+    for k, (_, a, b, _) in enumerate(entries):
+        r = a.shape[0]
+        shapes.setdefault((a.device, (r, a.numel() // r), (b.numel() // r, r)), []).append(k)
+    for (dev, a_shape, b_shape), idx in shapes.items():
+        a = _stacked([entries[k][1] for k in idx], a_shape, dev)
+        b = _stacked([entries[k][2] for k in idx], b_shape, dev)
+        scale = _scales([entries[k][3] for k in idx], dev)
+        rows = torch.tensor(idx, device=device)
+        norm_sq[rows] = lora_norm_sq(a, b, scale).to(device)
         if prev is not None:
-            a0, b0 = next(prev)
-            delta_sq.append(lora_delta_sq(a, b, a0, b0, scale).to(device))
-        b_nonzero.append(b.detach().ne(0).any().to(device))
-        cores.append(lora_core(a, b))
+            a0 = _stacked([prev[k][0] for k in idx], a_shape, dev)
+            b0 = _stacked([prev[k][1] for k in idx], b_shape, dev)
+            delta_sq[rows] = lora_delta_sq(a, b, a0, b0, scale).to(device)
+        ranks[rows] = stable_ranks(lora_core(a, b)).to(device, wide)
+        b_nonzero[rows] = b.ne(0).flatten(1).any(1).to(device)
     layers = [layer_index(name) for name, *_ in entries]
-    norms = _by_layer(torch.stack(norm_sq), layers)
-    ranks = stable_ranks(cores).to(device)
+    norms = _by_layer(norm_sq, layers)
 
     def grad_norm(params):
         grads = [p.grad for p in params if p.grad is not None]
         return per_tensor_sq_norms(grads, device).sum().sqrt() if grads else None
 
     return {"modules": len(entries), "adapter_norm": norms,
-            "adapter_delta": (_by_layer(torch.stack(delta_sq), layers) if prev is not None
-                              else {k: None for k in norms}),
+            "adapter_delta": (_by_layer(delta_sq, layers) if prev is not None else {k: None for k in norms}),
             "grad_norm_A": grad_norm([e[1] for e in entries]), "grad_norm_B": grad_norm([e[2] for e in entries]),
-            "b_zero_fraction": 1.0 - torch.stack(b_nonzero).float().mean(),
+            "b_zero_fraction": 1.0 - b_nonzero.float().mean(),
             "stable_rank": {"min": ranks.min(), "median": ranks.quantile(0.5), "max": ranks.max()}}
 
 
@@ -1216,7 +1247,11 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                     for chunk in _host_chunks(t.detach()):
                         f.write(chunk)
 
-            result = _concurrently(meanwhile, write_data)[0] if meanwhile is not None else write_data()
+            if meanwhile is None:
+                result = write_data()
+            else:  # the data on a thread of its own, after the work the caller queued on its own stream
+                stream = _callers_stream([t for _, t in named])
+                result = _concurrently(meanwhile, lambda: _on_stream(stream, write_data))[0]
         if os.path.lexists(path):
             _replace_keeping_old(target, path, spare)
         else:
@@ -1226,6 +1261,20 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
             os.remove(target)
         raise
     return result
+
+
+def _callers_stream(tensors: List[torch.Tensor]) -> Optional[Any]:
+    """This thread's current CUDA stream on the first CUDA tensor's device (None without one), for work done
+    on other threads (see _on_stream)."""
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    return torch.cuda.current_stream(cuda) if cuda is not None else None
+
+
+def _on_stream(stream: Optional[Any], fn: Callable[[], Any]) -> Any:
+    """fn() with `stream` (from _callers_stream) current: a thread's own current stream is the default one,
+    which need not be ordered after the work a training loop queued on a stream of its own."""
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        return fn()
 
 
 def tensor_file_header(named: List[tuple], metadata: Optional[Dict[str, str]] = None) -> tuple:
@@ -1314,6 +1363,15 @@ def _pass_threads(tensors: List[torch.Tensor]) -> int:
     return max(1, min(cores, MAX_PASS_THREADS))
 
 
+def _write_beside_pass(tensors: List[torch.Tensor]) -> bool:
+    """Whether the reference is written on a thread of its own while the pass runs: for large models only, where
+    a thread costs less than the overlap saves. On the CPU both are memory-bound and would leave a core idle in
+    turn; from a GPU the pass waits on copies to the device and the write on copies back and the page cache."""
+    if any(t.device.type == "cpu" for t in tensors):
+        return _pass_threads(tensors) > 1
+    return sum(t.numel() * t.element_size() for t in tensors) >= PARALLEL_PASS_BYTES
+
+
 def _split_evenly(chunks: List[tuple], parts: int) -> List[List[tuple]]:
     """(tensor, start, n) chunks cut into `parts` runs of consecutive chunks with about equal elements."""
     total = sum(n for *_, n in chunks)
@@ -1335,17 +1393,43 @@ def _replace_keeping_old(new: str, path: str, spare: str) -> None:
 
 
 def _host_chunks(t: torch.Tensor):
-    """The bytes of a tensor as memoryviews: zero-copy for CPU tensors, CHUNK_BYTES at a time from a GPU."""
+    """The bytes of a tensor as memoryviews: zero-copy for CPU tensors, CHUNK_BYTES at a time from a GPU.
+
+    From a CUDA device the chunks go through two pinned buffers in turn: the copy of the next chunk runs while
+    the caller writes this one, and no pageable copy is staged twice. A chunk is handed out only once its copy
+    has finished, and its buffer is refilled only when the caller asks for the chunk after next."""
     if t.numel() == 0:
         return
     if t.device.type == "cpu":
         t = t.contiguous()
-        yield memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+        yield _bytes_of(t)
         return
     flat = t.reshape(-1)
-    for _, start, n in chunk_spans([flat]):
-        part = flat[start:start + n].to("cpu")
-        yield memoryview((ctypes.c_char * (part.numel() * part.element_size())).from_address(part.data_ptr()))
+    spans = chunk_spans([flat])
+    if t.device.type != "cuda":
+        for _, start, n in spans:
+            yield _bytes_of(flat[start:start + n].to("cpu"))
+        return
+    # Pinned blocks come from torch's caching host allocator: after the first collection no new pinning.
+    buffers = [torch.empty(spans[0][2], dtype=flat.dtype, pin_memory=True) for _ in range(min(2, len(spans)))]
+    done = [torch.cuda.Event() for _ in buffers]
+
+    def fetch(k):
+        _, start, n = spans[k]
+        buffers[k % 2][:n].copy_(flat[start:start + n], non_blocking=True)
+        done[k % 2].record()
+
+    fetch(0)
+    for k, (_, _, n) in enumerate(spans):
+        if k + 1 < len(spans):
+            fetch(k + 1)
+        done[k % 2].synchronize()
+        yield _bytes_of(buffers[k % 2][:n])
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory as bytes, without a copy."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 
 def chunk_spans(flats: List[torch.Tensor]) -> List[tuple]:
@@ -1514,8 +1598,13 @@ class _Scratch:
         return buf[:n]
 
     def as_float(self, x: torch.Tensor, slot: str, dev: torch.device) -> torch.Tensor:
-        """x as float32 on dev, copied (and converted) only when it is not already."""
-        return x if x.dtype == torch.float32 and x.device == dev else self.get(slot, dev, x.numel()).copy_(x)
+        """x as float32 on dev, copied (and converted) only when it is not already; from CPU memory (a file's
+        map) to a CUDA device through a pinned block, as _to_device."""
+        if x.dtype == torch.float32 and x.device == dev:
+            return x
+        if x.device.type == "cpu" and dev.type == "cuda":
+            return self.get(slot, dev, x.numel()).copy_(_pinned_copy(x), non_blocking=True)
+        return self.get(slot, dev, x.numel()).copy_(x)
 
 
 def _change_sums(w: torch.Tensor, r: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
@@ -1708,8 +1797,8 @@ class _ChangePass:
         inputs, and the eager ops then serve this tensor. Only with both files: one tensor passed for two
         inputs is not what the kernel was compiled for."""
         w = self.flats[i][start:start + n]
-        r = self.refs[i].view(-1)[start:start + n].to(w.device)
-        r0 = self.inits[i].view(-1)[start:start + n].to(w.device)
+        r = _to_device(self.refs[i].view(-1)[start:start + n], w.device)
+        r0 = _to_device(self.inits[i].view(-1)[start:start + n], w.device)
         try:
             out = self.kernels[i](w, r, r0, *self.limits) if self.detail else (self.kernels[i](w, r, r0),)
         except RuntimeError:  # a guard failed (another stride, dtype or state): nothing was computed
@@ -1840,11 +1929,26 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
 
 def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[str, torch.Tensor]:
     """sums over CHUNK_BYTES pieces, split over _pass_threads threads, through the fused kernels that are ready."""
-    parts = _split_evenly(chunk_spans(sums.flats), _pass_threads(sums.flats))
+    parts = _split_evenly(chunk_spans(sums.flats), _chunked_pass_threads(sums))
+    stream = _callers_stream(sums.flats)
     with _FUSED.free() if fused else contextlib.nullcontext(False) as free, _one_cpu_thread():
         if free and device.type != "mps" and not torch.compiler.is_compiling():
             _take_kernels(sums, device)
-        return sums.combine(_concurrently(*[lambda part=part: sums.accumulate(part) for part in parts]), device)
+        return sums.combine(_concurrently(*[lambda part=part: _on_stream(stream, lambda: sums.accumulate(part))
+                                            for part in parts]), device)
+
+
+def _chunked_pass_threads(sums: _ChangePass) -> int:
+    """_pass_threads for weights in CPU memory. For weights on a CUDA device as many, by the same rule, when
+    files are read: there the pass waits on copying the files' chunks into pinned memory (see
+    _Scratch.as_float), host work that threads share, while the device's part is small."""
+    if sums.flats[0].device.type != "cuda":
+        return _pass_threads(sums.flats)
+    if (sums.refs is None and sums.inits is None
+            or sum(w.numel() * w.element_size() for w in sums.flats) < PARALLEL_PASS_BYTES):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_PASS_THREADS))
 
 
 def _take_kernels(sums: _ChangePass, device: torch.device) -> None:
@@ -3562,10 +3666,10 @@ class _ReferenceStore:
 
     def _stream_while_writing(self, named: List[tuple], step: int, stream: Callable[[], Dict]) -> Dict:
         """stream() (the pass over the old reference) while the new reference is written: side by side for
-        large CPU models (see _pass_threads), where both are memory-bound and would leave a core idle in turn.
-        The old file is replaced only after both, and a failed write (full disk) keeps stream()'s result."""
+        large models (see _write_beside_pass). The old file is replaced only after both, and a failed write
+        (full disk) keeps stream()'s result."""
         result: List[Dict[str, torch.Tensor]] = []
-        if _pass_threads([t for _, t in named]) > 1:  # large CPU models: a thread costs more than small ones save
+        if _write_beside_pass([t for _, t in named]):
             self.headers.write(self.files.write, self.checkpoint, named, lambda: result.append(stream()),
                                {"step": str(step)})
         else:
@@ -4029,8 +4133,9 @@ class _LoraTracker:
             stream = stream_tensor_file(path, wanted)
             try:
                 for e in found:
-                    # copy=True: the stream's tensors map a file that a later reference write overwrites in place
-                    yield tuple(next(stream).to(p.device, copy=True) if id(p) in name_of else p for p in (e.a, e.b))
+                    # A copy: the stream's tensors map a file that a later reference write overwrites in place.
+                    # It stays in CPU memory: lora_stats moves the copies to the device together.
+                    yield tuple(next(stream).clone() if id(p) in name_of else p for p in (e.a, e.b))
             finally:
                 stream.close()
         return pairs()
