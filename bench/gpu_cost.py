@@ -22,11 +22,14 @@ each section with the device synchronised around it, with the reference file's w
 and their files, and the record's one transfer to the host timed inside them (where the pass runs beside the
 write, write_tensor_file's time includes it). These timed collections are not
 the blocks' ones: synchronising adds waits that an unsynchronised loop overlaps.
-`--telemetry PATH` measures another telemetry.py (say, a revision's) the same way.
+`--telemetry PATH` measures another telemetry.py (say, a revision's) the same way. `--from-json FILE` prints the
+tables of an earlier run's --json file, and `--baseline-json FILE` adds, for each workload both measured, how
+our every-step collection compares with that run's.
 """
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import statistics
@@ -211,6 +214,23 @@ def measure(name, args):
     return out
 
 
+def baseline_lines(results, baseline):
+    """Our every-step hook and ratio in this run against those of the `baseline` run, workload by workload."""
+    def every_step(run):
+        return {w["workload"]: next(c for c in w["configs"] if c["config"] == "ours" and c["interval"] == 1)
+                for w in run["results"]}
+    base = every_step(baseline)
+    lines = [f"Against {baseline['telemetry']} (telemetry.py sha1 {baseline.get('telemetry_sha1', '?')}), "
+             "measured the same way in the same call:", "",
+             "| workload | hook alone (ms): this / baseline | ratio: this / baseline |", "|---|---|---|"]
+    for name, c in every_step(results).items():
+        if name in base and "hook_ms" in c and "hook_ms" in base[name]:
+            b = base[name]
+            lines.append(f"| {name} | {c['hook_ms']:.1f} / {b['hook_ms']:.1f} = {c['hook_ms'] / b['hook_ms']:.2f}x | "
+                         f"x{c['ratio_median']:.3f} / x{b['ratio_median']:.3f} |")
+    return lines
+
+
 def table(results):
     lines = ["| workload | configuration | step off (ms) | step on (ms) | ratio (min-max) | hook alone (ms) |",
              "|---|---|---|---|---|---|"]
@@ -231,6 +251,11 @@ def table(results):
     return "\n".join(lines)
 
 
+def _sha1(path):
+    with open(path, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()[:12]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", default=["gpt2", "llama_lora"])
@@ -244,7 +269,20 @@ def main():
     p.add_argument("--quick", action="store_true", help="tiny models, few steps: a smoke run of the script")
     p.add_argument("--telemetry", default=os.path.join(REPO, "telemetry.py"), help="the telemetry.py measured")
     p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--from-json", help="print the tables of this --json file instead of measuring")
+    p.add_argument("--baseline-json", help="with --from-json: compare with this --json file's run")
     args = p.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            run = json.load(f)
+        print(f"{run['device']}, torch {run['torch']}, {run['telemetry']} (sha1 {run.get('telemetry_sha1', '?')}), "
+              f"blocks of {run['block']} steps, {run['rounds']} rounds:")
+        print()
+        print(table(run["results"]))
+        if args.baseline_json:
+            with open(args.baseline_json) as f:
+                print("\n" + "\n".join(baseline_lines(run, json.load(f))))
+        return
     if args.quick:
         args.block, args.rounds, args.collections = 3, 2, 2
     load("telemetry", args.telemetry)  # what setup_config's `import telemetry` then finds
@@ -254,7 +292,8 @@ def main():
     results = [measure(name, args) for name in args.workloads]
     head = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
             "torch": torch.__version__, "telemetry": os.path.relpath(args.telemetry, REPO),
-            "block": args.block, "rounds": args.rounds, "minutes": round((time.perf_counter() - started) / 60, 1)}
+            "telemetry_sha1": _sha1(args.telemetry), "block": args.block, "rounds": args.rounds,
+            "minutes": round((time.perf_counter() - started) / 60, 1)}
     print(json.dumps(head))
     print(table(results))
     if args.json:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/RESULTS.md from one run on one commit: the side-by-side comparison (compare.py writes the file), then
 # one collection on the 50M-parameter MLP against its floors, then the CNN collecting at every step in one
-# process, alternating blocks with and without (ours, and wandb.watch), then what the activation check costs.
+# process, alternating blocks with and without (ours, and wandb.watch), then what the activation check costs,
+# then the GPU figures that bench/gpu_cost.py measured on a lent GPU machine (bench/gpu/).
 # Needs bench/setup.sh's venvs.
 # Arguments go to compare.py (e.g. --repeats 2).
 set -euo pipefail
@@ -39,4 +40,16 @@ $PY bench/compare.py "$@"
     echo '```'
     $PY bench/activation_cost.py
     echo '```'
+    echo
+    echo "## On a GPU"
+    echo
+    echo "Measured on a lent GPU machine, not by this script (CI and this machine have no GPU): the figures of"
+    echo "bench/gpu/h200.json, from \`python3 bench/gpu_cost.py --block 10 --rounds 4 --collections 6"
+    echo "--compile-wait 60 --json bench/gpu/h200.json\`, then, in the same call on the same machine, the baseline,"
+    echo "bench/gpu/h200_baseline.json, from \`python3 bench/gpu_cost.py --telemetry OLD_TELEMETRY_PY --configs ours:1"
+    echo "--block 10 --rounds 3 --collections 6 --compile-wait 30 --json bench/gpu/h200_baseline.json\`. The fused"
+    echo "kernels are not used there: that torch's compiled functions have no aot_compile, so the eager ops served."
+    echo "Printed by \`$PY bench/gpu_cost.py --from-json bench/gpu/h200.json --baseline-json bench/gpu/h200_baseline.json\`:"
+    echo
+    $PY bench/gpu_cost.py --from-json bench/gpu/h200.json --baseline-json bench/gpu/h200_baseline.json
 } >> bench/RESULTS.md
