@@ -1359,6 +1359,10 @@ def _pass_threads(tensors: List[torch.Tensor]) -> int:
         return 1
     if sum(t.numel() * t.element_size() for t in tensors) < PARALLEL_PASS_BYTES:
         return 1
+    return _core_threads()
+
+
+def _core_threads() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, MAX_PASS_THREADS))
 
@@ -1947,8 +1951,7 @@ def _chunked_pass_threads(sums: _ChangePass) -> int:
     if (sums.refs is None and sums.inits is None
             or sum(w.numel() * w.element_size() for w in sums.flats) < PARALLEL_PASS_BYTES):
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, MAX_PASS_THREADS))
+    return _core_threads()
 
 
 def _take_kernels(sums: _ChangePass, device: torch.device) -> None:
