@@ -1932,7 +1932,8 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
 
 
 def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[str, torch.Tensor]:
-    """sums over CHUNK_BYTES pieces, split over _pass_threads threads, through the fused kernels that are ready."""
+    """sums over CHUNK_BYTES pieces, split over _chunked_pass_threads threads, through the fused kernels that
+    are ready."""
     parts = _split_evenly(chunk_spans(sums.flats), _chunked_pass_threads(sums))
     stream = _callers_stream(sums.flats)
     with _FUSED.free() if fused else contextlib.nullcontext(False) as free, _one_cpu_thread():
@@ -1943,8 +1944,8 @@ def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[
 
 
 def _chunked_pass_threads(sums: _ChangePass) -> int:
-    """_pass_threads for weights in CPU memory. For weights on a CUDA device as many, by the same rule, when
-    files are read: there the pass waits on copying the files' chunks into pinned memory (see
+    """_pass_threads for weights in CPU memory. For weights on a CUDA device, as many threads for as large a
+    model when files are read: there the pass waits on copying the files' chunks into pinned memory (see
     _Scratch.as_float), host work that threads share, while the device's part is small."""
     if sums.flats[0].device.type != "cuda":
         return _pass_threads(sums.flats)
