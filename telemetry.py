@@ -590,6 +590,11 @@ def move_to(batch: Any, device: torch.device) -> Any:
 # ---- records: one transfer to the host, strict JSON ------------------------------------------------
 
 
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype sums are taken in on `device`: float64, or float32 on mps, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
 
@@ -653,7 +658,7 @@ def _leaves_on_host(leaves: List[torch.Tensor]) -> tuple:
     host: Dict[int, Any] = {}
     nonfinite = False
     for dev, idx in by_device.items():
-        wide = torch.float32 if dev.type == "mps" else torch.float64  # mps has no float64
+        wide = _wide(dev)
         groups: Dict[Any, List[int]] = {}
         for i in idx:
             groups.setdefault(leaves[i].dtype if leaves[i].dim() == 0 else i, []).append(i)
@@ -822,9 +827,10 @@ def layer_index(name: str) -> Optional[int]:
     return None
 
 
-def _wide(device: torch.device) -> torch.dtype:
-    # float64 (float32 on mps, which has none): Grams of float32 factors then stay exact to ~1e-16.
-    return torch.float32 if device.type == "mps" else torch.float64
+def _lora_mats(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    # Wide (see _wide) on A's device: Grams of float32 factors then stay exact to ~1e-16.
+    wide = _wide(a.device)
+    return a.detach().to(wide), b.detach().to(a.device, wide)
 
 
 def lora_norm_sq(a: torch.Tensor, b: torch.Tensor, scale: Any) -> torch.Tensor:
@@ -835,7 +841,7 @@ def lora_norm_sq(a: torch.Tensor, b: torch.Tensor, scale: Any) -> torch.Tensor:
     symmetric matrices is their elementwise inner product. Cost r^2 (fan_in + fan_out) instead of
     r fan_in fan_out.
     """
-    a, b = a.detach().to(_wide(a.device)), b.detach().to(a.device, _wide(a.device))
+    a, b = _lora_mats(a, b)
     return ((b.mT @ b) * (a @ a.mT)).sum((-2, -1)) * (scale * scale)
 
 
@@ -848,9 +854,8 @@ def lora_delta_sq(a: torch.Tensor, b: torch.Tensor, a_prev: torch.Tensor, b_prev
     a small step of a large adapter keeps full precision; expanding ||BA||^2 + ||B0A0||^2 - 2<BA, B0A0>
     would lose it. Both states use the current scaling s.
     """
-    wide = _wide(a.device)
-    a, b = a.detach().to(wide), b.detach().to(a.device, wide)
-    a0, b0 = a_prev.to(a.device, wide), b_prev.to(a.device, wide)
+    a, b = _lora_mats(a, b)
+    a0, b0 = a_prev.to(a.device, a.dtype), b_prev.to(a.device, a.dtype)
     p = torch.cat([b - b0, b0], dim=-1)
     q = torch.cat([a, a - a0], dim=-2)
     return ((p.mT @ p) * (q @ q.mT)).sum((-2, -1)) * (scale * scale)
@@ -862,7 +867,7 @@ def lora_core(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     With reduced QRs B = Q_B R_B and A^T = Q_A R_A, B A = Q_B (R_B R_A^T) Q_A^T, and Q_B, Q_A have
     orthonormal columns: the SVD of an r x r matrix replaces that of the fan_out x fan_in product.
     """
-    a, b = a.detach().to(_wide(a.device)), b.detach().to(a.device, _wide(a.device))
+    a, b = _lora_mats(a, b)
     return torch.linalg.qr(b, mode="r")[1] @ torch.linalg.qr(a.mT, mode="r")[1].mT
 
 
@@ -1052,7 +1057,7 @@ def pool_stats(stats: Dict[str, torch.Tensor], index: torch.Tensor, rows: int) -
     (float32 on mps, which has no float64).
     """
     device = stats["sq"].device
-    wide = torch.float32 if device.type == "mps" else torch.float64
+    wide = _wide(device)
     index = index.to(device)
 
     def total(v, dtype):
@@ -1920,7 +1925,7 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     inits, release_init = mapper(initial_path, names) if initial_path else (None, None)
     sums = _ChangePass(flats, refs, release_ref, inits, release_init, detail and reference_path is not None,
                        list(thresholds), list(rel_thresholds),
-                       torch.float32 if device.type == "mps" else torch.float64)
+                       _wide(device))
     if sum(w.numel() * w.element_size() for w in flats) <= WHOLE_PASS_BYTES:
         out = sums.whole()
     else:
