@@ -567,6 +567,21 @@ def block_steps(wl, hook, first, block):
     return times
 
 
+def alternating_round(wl, hook, pause, resume, step, block, r):
+    """Round r of alternating blocks: `block` steps with the configuration on (hook, after resume()) and as
+    many off (no hook, after pause()), in an order that alternates with r, from step + 1. Returns
+    ({True: median seconds a step on, False: off}, the step after both)."""
+    means = {}
+    for on in ((True, False) if r % 2 else (False, True)):
+        if on and resume:
+            resume()
+        elif not on and pause:
+            pause()
+        means[on] = statistics.median(block_steps(wl, hook if on else None, step, block))
+        step += block
+    return means, step
+
+
 def run_blocks(workload, config, interval, block, rounds):
     """The configuration on and off in alternating blocks of `block` steps in this one process: the ratio of
     each round's mean step time with it on to that of its off block next to it, whose order alternates. One
@@ -581,14 +596,7 @@ def run_blocks(workload, config, interval, block, rounds):
         pause, resume = toggles(config, wl, interval)
         ratios, extra_ms, on_ms, off_ms, step = [], [], [], [], 0
         for r in range(rounds + 1):  # round 0 warms up (the first collection writes the references)
-            means = {}
-            for on in ((True, False) if r % 2 else (False, True)):
-                if on and resume:
-                    resume()
-                elif not on and pause:
-                    pause()
-                means[on] = statistics.median(block_steps(wl, setup.hook if on else None, step, block))
-                step += block
+            means, step = alternating_round(wl, setup.hook, pause, resume, step, block, r)
             if r:
                 ratios.append(means[True] / means[False])
                 extra_ms.append(1e3 * (means[True] - means[False]))

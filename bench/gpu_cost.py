@@ -41,7 +41,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 from ab_collection import load  # noqa: E402
-from compare import Workload, block_steps, setup_config, toggles  # noqa: E402
+from compare import Workload, alternating_round, block_steps, setup_config, toggles  # noqa: E402
 
 CONFIGS = ("ours:1", "ours:16", "wandb_all:1")
 
@@ -111,14 +111,7 @@ def blocks(wl, config, interval, block, rounds, tmp, compile_wait_s):
     step += waited
     ratios, on_ms, off_ms = [], [], []
     for r in range(rounds):
-        means = {}
-        for on in ((True, False) if r % 2 else (False, True)):
-            if on and resume:
-                resume()
-            elif not on and pause:
-                pause()
-            means[on] = statistics.median(block_steps(wl, setup.hook if on else None, step, block))
-            step += block
+        means, step = alternating_round(wl, setup.hook, pause, resume, step, block, r)
         ratios.append(means[True] / means[False])
         on_ms.append(1e3 * means[True])
         off_ms.append(1e3 * means[False])
