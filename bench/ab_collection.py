@@ -59,18 +59,15 @@ def main(argv=None) -> int:
                     args.baseline: load("telemetry_baseline", telemetry_at(args.baseline, tmp))}
         wl = build_cnn() if args.workload == "cnn" else build_mlp()
         model, opt = wl.model, wl.opt_factory(wl.model.parameters())
+        wl.opt = opt
         runs = {name: module.TrainingTelemetry(module.TelemetryConfig(
             output_dir=os.path.join(tmp, name.replace("/", "_")), collect_every_n=1, track_holdout_logits=False))
             for name, module in versions.items()}
         k = [0]
 
         def collect(name):
-            batch = wl.batches[k[0] % len(wl.batches)]
+            batch, loss = wl.train_step(k[0])
             k[0] += 1
-            opt.zero_grad()
-            loss, _ = wl.loss_fn(model, batch)
-            loss.backward()
-            opt.step()
             start = time.perf_counter()
             runs[name].on_batch_end(model, opt, k[0], 0, batch=batch, loss=loss)
             return time.perf_counter() - start

@@ -60,6 +60,15 @@ class Workload:
         self.loss_fn = loss_fn  # (model, batch) -> (loss, outputs)
         self.predict = predict  # (model, holdout) -> logits, for the naive holdout forward
 
+    def train_step(self, k):
+        """One plain step on batch k (cycling through the batches) with self.opt; (batch, loss)."""
+        batch = self.batches[k % len(self.batches)]
+        self.opt.zero_grad()
+        loss, _ = self.loss_fn(self.model, batch)
+        loss.backward()
+        self.opt.step()
+        return batch, loss
+
 
 def build_cnn():
     """3C3D as in DeepOBS `cifar10_3c3d` / Cockpit's examples: 895,210 parameters."""
