@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
 # bench/RESULTS.md from one run on one commit: the side-by-side comparison (compare.py writes the file), then
-# one collection on the 50M-parameter MLP against its floors, then the CNN collecting at every step in one
-# process, alternating blocks with and without (ours, and wandb.watch), then what the activation check costs,
-# then the GPU figures that bench/gpu_cost.py measured on a lent GPU machine (bench/gpu/).
+# one collection on the 50M-parameter MLP against its floors (and a fresh process's first collection against
+# the version before the fused kernels), where one CNN collection's time goes, then the CNN collecting at every
+# step in one process, alternating blocks with and without (ours, and wandb.watch), then what the activation
+# check costs, then the GPU figures that bench/gpu_cost.py measured on a lent GPU machine (bench/gpu/).
 # Needs bench/setup.sh's venvs.
 # Arguments go to compare.py (e.g. --repeats 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=bench/.venv/bin/python
+FIRST_BASELINE=0d97e26  # telemetry.py before the fused kernels: the first collection must not be slower than it
 export BENCH_COCKPIT_PYTHON=$PWD/bench/.venv-cockpit/bin/python BENCH_ANALYZER_PYTHON=$PWD/bench/.venv/bin/python
 $PY bench/compare.py "$@"
 {
     echo
     echo "## One collection on the 50M-parameter MLP, against its floors"
     echo
-    echo "\`$PY bench/collection_cost.py --repeats 15\`:"
+    echo "With \`--baseline $FIRST_BASELINE\`, the last commit before the fused kernels, a fresh process's first collection"
+    echo "is timed against that version's, in alternating child processes."
+    echo
+    echo "\`$PY bench/collection_cost.py --repeats 15 --baseline $FIRST_BASELINE --first-rounds 15\`:"
     echo
     echo '```'
-    $PY bench/collection_cost.py --repeats 15
+    $PY bench/collection_cost.py --repeats 15 --baseline "$FIRST_BASELINE" --first-rounds 15
+    echo '```'
+    echo
+    echo "## Where one CNN collection's time goes, against the memory system's floor"
+    echo
+    echo "\`$PY bench/collection_parts.py --rounds 200\`:"
+    echo
+    echo '```'
+    $PY bench/collection_parts.py --rounds 200
     echo '```'
     echo
     echo "## CNN collecting at every step, in one process"
