@@ -16,8 +16,8 @@ $PY bench/compare.py "$@"
     echo
     echo "## One collection on the 50M-parameter MLP, against its floors"
     echo
-    echo "With \`--baseline $FIRST_BASELINE\`, the last commit before the fused kernels, a fresh process's first collection"
-    echo "is timed against that version's, in alternating child processes."
+    echo "With \`--baseline $FIRST_BASELINE\` (the last commit before the fused kernels), a fresh process's first"
+    echo "collection is timed against that version's, in alternating child processes."
     echo
     echo "\`$PY bench/collection_cost.py --repeats 15 --baseline $FIRST_BASELINE --first-rounds 15\`:"
     echo
