@@ -1360,11 +1360,14 @@ def _pass_threads(tensors: List[torch.Tensor]) -> int:
     """Threads for a memory-bound pass over these tensors: one per core (at most MAX_PASS_THREADS) for CPU
     tensors of PARALLEL_PASS_BYTES or more, else one. Each runs single-threaded torch ops, so a busy core
     slows its share down but never stalls the others as a blocked OpenMP team would."""
-    if any(t.device.type != "cpu" for t in tensors):
-        return 1
-    if sum(t.numel() * t.element_size() for t in tensors) < PARALLEL_PASS_BYTES:
+    if any(t.device.type != "cpu" for t in tensors) or not _large_pass(tensors):
         return 1
     return _core_threads()
+
+
+def _large_pass(tensors: List[torch.Tensor]) -> bool:
+    """Whether a pass over these tensors moves PARALLEL_PASS_BYTES or more: enough to share among threads."""
+    return sum(t.numel() * t.element_size() for t in tensors) >= PARALLEL_PASS_BYTES
 
 
 def _core_threads() -> int:
@@ -1378,7 +1381,7 @@ def _write_beside_pass(tensors: List[torch.Tensor]) -> bool:
     turn; from a GPU the pass waits on copies to the device and the write on copies back and the page cache."""
     if any(t.device.type == "cpu" for t in tensors):
         return _pass_threads(tensors) > 1
-    return sum(t.numel() * t.element_size() for t in tensors) >= PARALLEL_PASS_BYTES
+    return _large_pass(tensors)
 
 
 def _split_evenly(chunks: List[tuple], parts: int) -> List[List[tuple]]:
@@ -1954,8 +1957,7 @@ def _chunked_pass_threads(sums: _ChangePass) -> int:
     _Scratch.as_float), host work that threads share, while the device's part is small."""
     if sums.flats[0].device.type != "cuda":
         return _pass_threads(sums.flats)
-    if (sums.refs is None and sums.inits is None
-            or sum(w.numel() * w.element_size() for w in sums.flats) < PARALLEL_PASS_BYTES):
+    if sums.refs is None and sums.inits is None or not _large_pass(sums.flats):
         return 1
     return _core_threads()
 
