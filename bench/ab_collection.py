@@ -58,8 +58,8 @@ def main(argv=None) -> int:
         versions = {"this": load("telemetry_this", os.path.join(REPO, "telemetry.py")),
                     args.baseline: load("telemetry_baseline", telemetry_at(args.baseline, tmp))}
         wl = build_cnn() if args.workload == "cnn" else build_mlp()
-        model, opt = wl.model, wl.opt_factory(wl.model.parameters())
-        wl.opt = opt
+        model = wl.model
+        opt = wl.opt = wl.opt_factory(model.parameters())
         runs = {name: module.TrainingTelemetry(module.TelemetryConfig(
             output_dir=os.path.join(tmp, name.replace("/", "_")), collect_every_n=1, track_holdout_logits=False))
             for name, module in versions.items()}

@@ -29,24 +29,29 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 import telemetry as T  # noqa: E402
-from compare import build_cnn  # noqa: E402  (the benchmark's own workload)
+from compare import build_cnn, patched, timing_wrapper  # noqa: E402  (the benchmark's own workload)
 
 PARTS = {"weight pass": (T, "streamed_weight_changes"), "reference write": (T, "write_tensor_file"),
          "gradient norms": (T._Gradients, "rows")}
 
 
-def timed_parts(spent):
-    """Wrap each of PARTS so that its time is added to spent[part]; return a function that unwraps them."""
-    originals = {part: getattr(owner, name) for part, (owner, name) in PARTS.items()}
-    for part, (owner, name) in PARTS.items():
-        def wrapper(*args, _fn=originals[part], _part=part, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                spent[_part] += time.perf_counter() - start
-        setattr(owner, name, wrapper)
-    return lambda: [setattr(owner, name, originals[part]) for part, (owner, name) in PARTS.items()]
+def floor_s(directory, names, params, scratch):
+    """(seconds to read the weights, gradients, reference and W0 once; seconds to write the weights' bytes over
+    `scratch`, a file descriptor whose pages the page cache holds)."""
+    refs, _ = T.map_tensor_file(os.path.join(directory, T.REFERENCE_FILE), names)
+    inits, _ = T.map_tensor_file(os.path.join(directory, T.INITIAL_FILE), names)
+    tensors = [p.detach() for p in params] + [p.grad for p in params] + refs + inits
+    start = time.perf_counter()
+    for t in tensors:
+        t.sum()
+    read = time.perf_counter() - start
+    start = time.perf_counter()
+    offset = 0
+    for p in params:
+        view = memoryview(p.detach().numpy()).cast("B")
+        os.pwrite(scratch, view, offset)
+        offset += len(view)
+    return read, time.perf_counter() - start
 
 
 def main(argv=None) -> int:
@@ -71,42 +76,31 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run = T.TrainingTelemetry(T.TelemetryConfig(output_dir=tmp, collect_every_n=1, track_holdout_logits=False))
         spent = dict.fromkeys(PARTS, 0.0)
-        unwrap = timed_parts(spent)
+
+        def add(part):
+            return lambda seconds: spent.__setitem__(part, spent[part] + seconds)
+        timers = {target: timing_wrapper(getattr(*target), add(part)) for part, target in PARTS.items()}
         scratch = os.open(os.path.join(tmp, "floor.bin"), os.O_RDWR | os.O_CREAT)
         nbytes = sum(p.numel() * p.element_size() for p in params)
         os.pwrite(scratch, bytes(nbytes), 0)  # its pages are in the page cache from here on
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         try:
-            for r in range(args.warmup + args.rounds):
-                batch, loss = step()
-                spent.update(dict.fromkeys(PARTS, 0.0))
-                start = time.perf_counter()
-                run.on_batch_end(model, opt, k[0], 0, batch=batch, loss=loss)
-                hook = time.perf_counter() - start
-                parts = dict(spent)
+            with patched(timers):
+                for r in range(args.warmup + args.rounds):
+                    batch, loss = step()
+                    spent.update(dict.fromkeys(PARTS, 0.0))
+                    start = time.perf_counter()
+                    run.on_batch_end(model, opt, k[0], 0, batch=batch, loss=loss)
+                    hook = time.perf_counter() - start
+                    parts = dict(spent)
 
-                step()
-                refs, release_ref = T.map_tensor_file(os.path.join(tmp, T.REFERENCE_FILE), names)
-                inits, release_init = T.map_tensor_file(os.path.join(tmp, T.INITIAL_FILE), names)
-                tensors = [p.detach() for p in params] + [p.grad for p in params] + refs + inits
-                start = time.perf_counter()
-                for t in tensors:
-                    t.sum()
-                read = time.perf_counter() - start
-                start = time.perf_counter()
-                offset = 0
-                for p in params:
-                    view = memoryview(p.detach().numpy()).cast("B")
-                    os.pwrite(scratch, view, offset)
-                    offset += len(view)
-                write = time.perf_counter() - start
-                del refs, inits, tensors
-                if r >= args.warmup:
-                    for name, value in [("hook", hook), *parts.items(), ("rest", hook - sum(parts.values())),
-                                        ("floor read", read), ("floor write", write), ("floor", read + write)]:
-                        rows[name].append(value * 1e3)
+                    step()
+                    read, write = floor_s(tmp, names, params, scratch)
+                    if r >= args.warmup:
+                        for name, value in [("hook", hook), *parts.items(), ("rest", hook - sum(parts.values())),
+                                            ("floor read", read), ("floor write", write), ("floor", read + write)]:
+                            rows[name].append(value * 1e3)
         finally:
-            unwrap()
             os.close(scratch)
             run.close()
     medians = {name: statistics.median(values) for name, values in rows.items()}

@@ -19,6 +19,7 @@ q_proj/v_proj). All inputs are random tensors made in the child.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -589,6 +590,35 @@ def alternating_round(wl, hook, pause, resume, step, block, r):
         means[on] = statistics.median(block_steps(wl, hook if on else None, step, block))
         step += block
     return means, step
+
+
+def timing_wrapper(fn, record, sync=None):
+    """fn, wrapped so that each call's seconds go to record(seconds). With sync (a device's synchronize) the
+    time is taken between synchronisations, so the device work a call queued counts for that call."""
+    def wrapper(*args, **kwargs):
+        if sync:
+            sync()
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if sync:
+                sync()
+            record(time.perf_counter() - start)
+    return wrapper
+
+
+@contextlib.contextmanager
+def patched(replacements):
+    """Within: each (owner, attribute name) of `replacements` set to its new value; the old ones after."""
+    originals = {key: getattr(*key) for key in replacements}
+    for (owner, name), new in replacements.items():
+        setattr(owner, name, new)
+    try:
+        yield
+    finally:
+        for (owner, name), old in originals.items():
+            setattr(owner, name, old)
 
 
 def run_blocks(workload, config, interval, block, rounds):

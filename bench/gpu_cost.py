@@ -41,7 +41,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 from ab_collection import load  # noqa: E402
-from compare import Workload, alternating_round, block_steps, setup_config, toggles  # noqa: E402
+from compare import (Workload, alternating_round, block_steps, patched, setup_config, timing_wrapper,  # noqa: E402
+                     toggles)
 
 CONFIGS = ("ours:1", "ours:16", "wandb_all:1")
 
@@ -144,31 +145,18 @@ def where_time_goes(wl, setup, telemetry, collections_n, sync):
 
     parts = collections.defaultdict(list)
 
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            sync()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sync()
-                parts[name].append(1e3 * (time.perf_counter() - t0))
-        return wrapper
+    def into(name):
+        return lambda seconds: parts[name].append(1e3 * seconds)
 
     original_run = telemetry._Collection.run
-    patched = {name: getattr(telemetry, name) for name in ("write_tensor_file", "streamed_weight_changes",
-                                                           "host_record")}
-    telemetry._Collection.run = lambda c, section, fn, *args: timed(f"section {section}", original_run)(
-        c, section, fn, *args)
-    for name, fn in patched.items():
-        setattr(telemetry, name, timed(name, fn))
-    try:
+
+    def run(c, section, fn, *args):
+        return timing_wrapper(original_run, into(f"section {section}"), sync)(c, section, fn, *args)
+    replacements = {(telemetry, name): timing_wrapper(getattr(telemetry, name), into(name), sync)
+                    for name in ("write_tensor_file", "streamed_weight_changes", "host_record")}
+    with patched({(telemetry._Collection, "run"): run, **replacements}):
         block_steps(wl, setup.hook, wl.step, collections_n)
         wl.step += collections_n
-    finally:
-        telemetry._Collection.run = original_run
-        for name, fn in patched.items():
-            setattr(telemetry, name, fn)
     return {"hook_ms": statistics.median(hook_ms),
             "parts_ms": {k: statistics.median(v) * len(v) / collections_n for k, v in sorted(parts.items())}}
 
