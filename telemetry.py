@@ -618,44 +618,44 @@ def to_host(record: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def host_record(record: Dict[str, Any]) -> tuple:
-    """(to_host(record), whether any float in it is NaN/Inf): one walk over the record serves both."""
+    """(to_host(record), whether any float in it is NaN/Inf): one walk copies the record and notes where its
+    tensors sit, one transfer fills them in."""
     leaves: List[torch.Tensor] = []
-    _tensor_leaves(record, leaves)
-    host, nonfinite = _leaves_on_host(leaves)
-    flags = [nonfinite]
+    slots: List[tuple] = []  # (container in the copy, key) of each leaf
+    flags = [False]
 
-    def rebuild(node):
-        if isinstance(node, torch.Tensor):
-            return host[id(node)]
-        if isinstance(node, dict):
-            return {k: rebuild(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return [rebuild(v) for v in node]
-        if isinstance(node, float) and not math.isfinite(node):
-            flags[0] = True
-        return node
+    def copy(node):
+        out = dict(node) if isinstance(node, dict) else list(node)
+        for k, v in out.items() if isinstance(out, dict) else enumerate(out):
+            kind = type(v)
+            if kind is float:
+                if not math.isfinite(v):
+                    flags[0] = True
+            elif kind in (int, str, bool) or v is None:
+                pass
+            elif isinstance(v, torch.Tensor):
+                leaves.append(v)
+                slots.append((out, k))
+            elif isinstance(v, (dict, list, tuple)):
+                out[k] = copy(v)
+            elif isinstance(v, float) and not math.isfinite(v):
+                flags[0] = True
+        return out
 
-    return rebuild(record), flags[0]
-
-
-def _tensor_leaves(node: Any, leaves: List[torch.Tensor]) -> None:
-    if isinstance(node, torch.Tensor):
-        leaves.append(node)
-    elif isinstance(node, dict):
-        for v in node.values():
-            _tensor_leaves(v, leaves)
-    elif isinstance(node, (list, tuple)):
-        for v in node:
-            _tensor_leaves(v, leaves)
+    root = copy([record])
+    values, nonfinite = _leaves_on_host(leaves)
+    for (out, k), value in zip(slots, values):
+        out[k] = value
+    return root[0], flags[0] or nonfinite
 
 
 def _leaves_on_host(leaves: List[torch.Tensor]) -> tuple:
-    """({id(leaf): its value as Python numbers}, whether a float leaf holds NaN/Inf), one copy per device.
+    """([each leaf's value as Python numbers], whether a float leaf holds NaN/Inf), one copy per device.
     Scalars of one dtype are stacked with one op, so a record of many norms costs a few ops, not one each."""
     by_device: Dict[torch.device, List[int]] = {}
     for i, t in enumerate(leaves):
         by_device.setdefault(t.device, []).append(i)
-    host: Dict[int, Any] = {}
+    host: List[Any] = [None] * len(leaves)
     nonfinite = False
     for dev, idx in by_device.items():
         wide = _wide(dev)
@@ -663,8 +663,9 @@ def _leaves_on_host(leaves: List[torch.Tensor]) -> tuple:
         for i in idx:
             groups.setdefault(leaves[i].dtype if leaves[i].dim() == 0 else i, []).append(i)
         order = [i for members in groups.values() for i in members]
-        flat = torch.cat([torch.stack([leaves[i].detach() for i in members]).reshape(-1).to(wide)
-                          for members in groups.values()]).cpu().tolist()
+        parts = [torch.stack([leaves[i].detach() for i in members]).reshape(-1).to(wide)
+                 for members in groups.values()]
+        flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().tolist()
         nonfinite = nonfinite or not math.isfinite(sum(flat))  # NaN/Inf spread through the sum (or it overflowed)
         pos = 0
         for i in order:
@@ -676,7 +677,7 @@ def _leaves_on_host(leaves: List[torch.Tensor]) -> tuple:
                 chunk = [bool(v) for v in chunk] if t.dtype == torch.bool else [int(v) for v in chunk]
             elif t.dtype != torch.float64:  # 9 significant digits round-trip float32 exactly, in half the text
                 chunk = [float(f"{v:.9g}") for v in chunk]
-            host[id(t)] = chunk[0] if t.dim() == 0 else _reshape(chunk, list(t.shape))
+            host[i] = chunk[0] if t.dim() == 0 else _reshape(chunk, list(t.shape))
     return host, nonfinite
 
 
@@ -2748,6 +2749,7 @@ class _Layout:
     frozen: Dict[str, List[tuple]] = dataclasses.field(default_factory=dict)  # group -> (name, frozen tensor)
     outside: List[tuple] = dataclasses.field(default_factory=list)  # trainable, but in no optimizer group
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # device -> totals_rows()
 
     def nulls(self) -> Dict[str, Any]:
         """A per-group section with nothing measured (no reference yet, no gradients)."""
@@ -2756,11 +2758,15 @@ class _Layout:
     def by_group(self, per_tensor_sq: torch.Tensor, has: Optional[torch.Tensor] = None) -> Dict[str, Any]:
         """Per-group norms from per-tensor squared norms; with `has`, a group without any tensor that has
         a value is null rather than 0."""
-        sq = self.membership.to(per_tensor_sq.device) @ per_tensor_sq
-        # One unbind gives every group's value: an index op per group would cost a small model more.
-        overall, *norms = torch.cat([sq[:self.first_partition].sum().reshape(1), sq]).sqrt().unbind()
+        device = per_tensor_sq.device
+        rows = self.totals.get(device)
+        if rows is None:  # once per device: a small model's collection is mostly such fixed costs
+            rows = self.totals[device] = torch.cat([self.membership[:self.first_partition].sum(0, keepdim=True),
+                                                    self.membership]).to(device)
+        # One product and one unbind give every value: an op per group would cost a small model more.
+        overall, *norms = (rows @ per_tensor_sq).sqrt().unbind()
         out: Dict[str, Any] = {"overall": overall}
-        counts = (self.membership.cpu() @ torch.as_tensor(has, dtype=torch.float32)).tolist() if has is not None else None
+        counts = (self.membership @ has.cpu().float()).tolist() if has is not None else None
         for i, name in enumerate(self.group_names):
             out[name] = None if counts is not None and counts[i] == 0 else norms[i]
         return out
