@@ -2749,7 +2749,7 @@ class _Layout:
     frozen: Dict[str, List[tuple]] = dataclasses.field(default_factory=dict)  # group -> (name, frozen tensor)
     outside: List[tuple] = dataclasses.field(default_factory=list)  # trainable, but in no optimizer group
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # device -> totals_rows()
+    totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # device -> by_group's rows there
 
     def nulls(self) -> Dict[str, Any]:
         """A per-group section with nothing measured (no reference yet, no gradients)."""
