@@ -627,19 +627,17 @@ def host_record(record: Dict[str, Any]) -> tuple:
     def copy(node):
         out = dict(node) if isinstance(node, dict) else list(node)
         for k, v in out.items() if isinstance(out, dict) else enumerate(out):
-            kind = type(v)
-            if kind is float:
+            # Plain numbers and strings first: most of a record, and cheaper to rule out than a Tensor.
+            if isinstance(v, float):
                 if not math.isfinite(v):
                     flags[0] = True
-            elif kind in (int, str, bool) or v is None:
+            elif isinstance(v, (int, str)) or v is None:
                 pass
             elif isinstance(v, torch.Tensor):
                 leaves.append(v)
                 slots.append((out, k))
             elif isinstance(v, (dict, list, tuple)):
                 out[k] = copy(v)
-            elif isinstance(v, float) and not math.isfinite(v):
-                flags[0] = True
         return out
 
     root = copy([record])
@@ -2749,7 +2747,8 @@ class _Layout:
     frozen: Dict[str, List[tuple]] = dataclasses.field(default_factory=dict)  # group -> (name, frozen tensor)
     outside: List[tuple] = dataclasses.field(default_factory=list)  # trainable, but in no optimizer group
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # device -> by_group's rows there
+    # device -> by_group's rows there: the overall one (the first partition's rows added up), then the membership
+    totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def nulls(self) -> Dict[str, Any]:
         """A per-group section with nothing measured (no reference yet, no gradients)."""
@@ -2759,12 +2758,12 @@ class _Layout:
         """Per-group norms from per-tensor squared norms; with `has`, a group without any tensor that has
         a value is null rather than 0."""
         device = per_tensor_sq.device
-        rows = self.totals.get(device)
-        if rows is None:  # once per device: a small model's collection is mostly such fixed costs
-            rows = self.totals[device] = torch.cat([self.membership[:self.first_partition].sum(0, keepdim=True),
-                                                    self.membership]).to(device)
+        totals = self.totals.get(device)
+        if totals is None:  # once per device: a small model's collection is mostly such fixed costs
+            totals = self.totals[device] = torch.cat([
+                self.membership[:self.first_partition].sum(0, keepdim=True), self.membership]).to(device)
         # One product and one unbind give every value: an op per group would cost a small model more.
-        overall, *norms = (rows @ per_tensor_sq).sqrt().unbind()
+        overall, *norms = (totals @ per_tensor_sq).sqrt().unbind()
         out: Dict[str, Any] = {"overall": overall}
         counts = (self.membership @ has.cpu().float()).tolist() if has is not None else None
         for i, name in enumerate(self.group_names):
