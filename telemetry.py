@@ -336,7 +336,8 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     """Squared L2 norm of each tensor, as one float32 vector [len(tensors)] on `device`.
 
     ||t||^2 for every t, computed with torch._foreach_norm per (device, dtype) bucket (the clip_grad_norm_
-    fast path) in float32, so fp16/bf16 norms neither overflow nor lose precision. No host sync.
+    fast path) in float32, so fp16/bf16 norms neither overflow nor lose precision (float64 tensors in
+    float64). No host sync.
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float32, device=device or "cpu")
@@ -345,11 +346,11 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     for i, t in enumerate(tensors):
         buckets.setdefault((t.device, t.dtype), []).append(i)
     out = torch.empty(len(tensors), dtype=torch.float32, device=device) if len(buckets) > 1 else None
-    for (dev, _), idx in buckets.items():
+    for (dev, dtype), idx in buckets.items():
         bucket = [tensors[i] for i in idx]
-        threads = _pass_threads(bucket)
+        threads, work = _pass_threads(bucket), _work_dtype(dtype)
         if threads == 1:
-            sq = torch.stack(torch._foreach_norm(bucket, 2, dtype=torch.float32)).square()
+            sq = torch.stack(torch._foreach_norm(bucket, 2, dtype=work)).square().float()
         else:  # a large CPU bucket: each thread norms an equal share of pieces of the tensors, then they add up
             owner, pieces = [], []
             for k, t in enumerate(bucket):
@@ -358,14 +359,20 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
                 pieces += parts
             runs = _split_evenly([(j, 0, piece.numel()) for j, piece in enumerate(pieces)], threads)
             norms = [norm for part in _concurrently(*[
-                lambda run=run: torch._foreach_norm([pieces[j] for j, *_ in run], 2, dtype=torch.float32)
+                lambda run=run: torch._foreach_norm([pieces[j] for j, *_ in run], 2, dtype=work)
                 for run in runs]) for norm in part]
-            sq = torch.zeros(len(bucket), dtype=torch.float32, device=dev).index_add_(
-                0, torch.tensor(owner, device=dev), torch.stack(norms).square())
+            sq = torch.zeros(len(bucket), dtype=work, device=dev).index_add_(
+                0, torch.tensor(owner, device=dev), torch.stack(norms).square()).float()
         if out is None:  # one device and dtype, the common case: sq is every tensor's, in order
             return sq.to(device)
         out[torch.tensor(idx, device=device)] = sq.to(device)
     return out
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor's norms and differences are computed in: float32, or float64 for float64 tensors,
+    whose small differences float32 would round away."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def group_norms(per_tensor_sq: torch.Tensor, membership: torch.Tensor) -> torch.Tensor:
@@ -1597,25 +1604,26 @@ def _negatives(signs: torch.Tensor) -> torch.Tensor:
 
 
 class _Scratch:
-    """Reused float32 buffers, one per (slot, device), grown as needed: a pass allocates a few chunks in all."""
+    """Reused buffers, one per (slot, device, dtype), grown as needed: a pass allocates a few chunks in all."""
 
     def __init__(self):
         self.buffers: Dict[Any, torch.Tensor] = {}
 
-    def get(self, slot: str, dev: torch.device, n: int) -> torch.Tensor:
-        buf = self.buffers.get((slot, dev))
+    def get(self, slot: str, dev: torch.device, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        buf = self.buffers.get((slot, dev, dtype))
         if buf is None or buf.numel() < n:
-            buf = self.buffers[(slot, dev)] = torch.empty(n, dtype=torch.float32, device=dev)
+            buf = self.buffers[(slot, dev, dtype)] = torch.empty(n, dtype=dtype, device=dev)
         return buf[:n]
 
     def as_float(self, x: torch.Tensor, slot: str, dev: torch.device) -> torch.Tensor:
-        """x as float32 on dev, copied (and converted) only when it is not already; from CPU memory (a file's
-        map) to a CUDA device through a pinned block, as _to_device."""
-        if x.dtype == torch.float32 and x.device == dev:
+        """x in its _work_dtype on dev, copied (and converted) only when it is not already; from CPU memory (a
+        file's map) to a CUDA device through a pinned block, as _to_device."""
+        work = _work_dtype(x.dtype)
+        if x.dtype == work and x.device == dev:
             return x
         if x.device.type == "cpu" and dev.type == "cuda":
-            return self.get(slot, dev, x.numel()).copy_(_pinned_copy(x), non_blocking=True)
-        return self.get(slot, dev, x.numel()).copy_(x)
+            return self.get(slot, dev, x.numel(), work).copy_(_pinned_copy(x), non_blocking=True)
+        return self.get(slot, dev, x.numel(), work).copy_(x)
 
 
 def _change_sums(w: torch.Tensor, r: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
@@ -1791,14 +1799,14 @@ class _ChangePass:
             acc["weight_sq"][i] += torch.dot(wc, wc)
             if self.refs is not None:
                 rc = scratch.as_float(self.refs[i].view(-1)[start:start + n], "r", dev)
-                d = torch.sub(wc, rc, out=scratch.get("d", dev, n))
+                d = torch.sub(wc, rc, out=scratch.get("d", dev, n, wc.dtype))
                 acc["delta_sq"][i] += torch.dot(d, d)
                 if self.detail:
                     self._details(acc, i, wc, rc, d, scratch)
                 self.release_ref(i, start, n)
             if self.inits is not None:
                 r0 = scratch.as_float(self.inits[i].view(-1)[start:start + n], "r0", dev)
-                d0 = torch.sub(wc, r0, out=scratch.get("d", dev, n))
+                d0 = torch.sub(wc, r0, out=scratch.get("d", dev, n, wc.dtype))
                 acc["drift_sq"][i] += torch.dot(d0, d0)
                 self.release_init(i, start, n)
         return acc
@@ -1863,20 +1871,20 @@ class _ChangePass:
     def _details(self, acc, i: int, wc: torch.Tensor, rc: torch.Tensor, d: torch.Tensor, scratch: _Scratch) -> None:
         # Counts come from s = sign(x) in {-1, 0, 1}: #(s < 0) = (s.s - sum s) / 2, exact in float32 for a
         # chunk, and cheaper than a bool mask and its sum. sign(|d| - t) < 0 iff |d| < t.
-        dev, n, wide = wc.device, wc.numel(), self.wide
+        dev, n, wide, work = wc.device, wc.numel(), self.wide, wc.dtype
         acc["sum"][i] += d.sum().to(wide)
-        a = torch.abs(d, out=scratch.get("a", dev, n))
+        a = torch.abs(d, out=scratch.get("a", dev, n, work))
         acc["l1"][i] += a.sum().to(wide)
         acc["max_abs"][i] = torch.maximum(acc["max_abs"][i], a.max().to(wide))
-        s = torch.sign(wc, out=scratch.get("d", dev, n)).mul_(torch.sign(rc, out=scratch.get("s", dev, n)))
+        s = torch.sign(wc, out=scratch.get("d", dev, n, work)).mul_(torch.sign(rc, out=scratch.get("s", dev, n, work)))
         acc["flips"][i] += _negatives(s).long()
         if self.thresholds:  # |d| <= t  <=>  not (t - |d| < 0)
             acc["below"][i] += n - torch.stack([
-                _negatives(torch.sub(t, a, out=scratch.get("d", dev, n)).sign_()) for t in self.thresholds]).long()
+                _negatives(torch.sub(t, a, out=scratch.get("d", dev, n, work)).sign_()) for t in self.thresholds]).long()
         if self.rel_thresholds:
-            ra = torch.abs(rc, out=scratch.get("s", dev, n))
+            ra = torch.abs(rc, out=scratch.get("s", dev, n, work))
             acc["below_rel"][i] += n - torch.stack([
-                _negatives(torch.mul(ra, t, out=scratch.get("d", dev, n)).sub_(a).sign_())
+                _negatives(torch.mul(ra, t, out=scratch.get("d", dev, n, work)).sub_(a).sign_())
                 for t in self.rel_thresholds]).long()
 
 
@@ -1884,11 +1892,13 @@ _DETAIL_KEYS = ("l1", "sum", "max_abs", "flips", "below", "below_rel")
 
 
 def _floats_on(tensors: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
-    return [t if t.dtype == torch.float32 and t.device == device else t.to(device, torch.float32) for t in tensors]
+    """The tensors in their _work_dtype on `device`, converted only where they are not."""
+    return [t if t.dtype == _work_dtype(t.dtype) and t.device == device else t.to(device, _work_dtype(t.dtype))
+            for t in tensors]
 
 
 def _squared_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(torch._foreach_norm(tensors, 2)).square() if tensors else torch.zeros(0)
+    return torch.stack(torch._foreach_norm(tensors, 2)).square().float() if tensors else torch.zeros(0)
 
 
 def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = None,
@@ -1966,7 +1976,8 @@ def _take_kernels(sums: _ChangePass, device: torch.device) -> None:
     found: Dict[tuple, Optional[Callable]] = {}
     both = sums.refs is not None and sums.inits is not None  # else eager: a run's first collection, no drift
     for w in sums.flats:
-        if w.device == device and min(w.numel(), CHUNK_BYTES // w.element_size()) >= FUSED_MIN_ELEMENTS:
+        if w.device == device and w.dtype != torch.float64 and \
+                min(w.numel(), CHUNK_BYTES // w.element_size()) >= FUSED_MIN_ELEMENTS:
             key = _FusedKernels.key(w, sums.detail, len(sums.thresholds), len(sums.rel_thresholds))
             found[key] = found[key] if key in found else _FUSED.ready(key)
             sums.kernels.append(found[key] if both else None)

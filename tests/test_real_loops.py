@@ -510,3 +510,33 @@ def test_auto_named_run_directories(tmp_path):
     tel.close()
     with pytest.raises(ValueError, match="output_dir: .*placeholder"):
         TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "{user}")))
+
+
+def test_a_float64_model_is_measured_in_float64(tmp_path, pass_threads):
+    """A float64 model's gradient norms equal get_total_norm, and its weight deltas equal the distance to
+    float64 copies even for updates far below float32's resolution of the weights (lr 1e-7 on weights ~0.1)."""
+    x, y = digits()
+    x, model = x.double(), mlp().double()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-7)
+    run = str(tmp_path / "run")
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1, track_param_change=True))
+    kept, want = [p.detach().clone() for p in model.parameters()], []
+    for i in range(4):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x[i * 32:(i + 1) * 32]), y[i * 32:(i + 1) * 32])
+        loss.backward()
+        opt.step()
+        grad = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+        now = [p.detach().clone() for p in model.parameters()]
+        delta = math.sqrt(sum(((a - b) ** 2).sum().item() for a, b in zip(now, kept)))
+        want.append((grad, delta, sum((a - b).abs().sum().item() for a, b in zip(now, kept))))
+        kept = now
+        telemetry.on_batch_end(model, opt, i, 0, batch=(x, y), loss=loss)
+    telemetry.close()
+    records = read(run)
+    assert len(records) == 4 and not any("errors" in r for r in records)
+    for r, (grad, _, _) in zip(records, want):
+        assert r["gradient_norm"]["overall"] == pytest.approx(grad, rel=1e-6)
+    for r, (_, delta, l1) in zip(records[1:], want[1:]):
+        assert r["weight_delta"]["overall"] == pytest.approx(delta, rel=1e-5)
+        assert r["param_change"]["l1"] == pytest.approx(l1, rel=1e-5)
