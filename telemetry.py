@@ -2817,8 +2817,9 @@ class _Layout:
 
 def _layout_key(model: torch.nn.Module, optimizer: Any) -> tuple:
     opt_groups = getattr(optimizer, "param_groups", None) or []
+    # Which tensors are trainable, not how many: a swap (one layer frozen as another is unfrozen) keeps the count.
     return (id(model), id(optimizer), tuple(len(g["params"]) for g in opt_groups),
-            sum(p.requires_grad for p in model.parameters()))
+            tuple(id(p) for p in model.parameters() if p.requires_grad))
 
 
 def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig) -> tuple:

@@ -228,6 +228,34 @@ def test_reference_holds_only_trainable_weights_and_loads_without_pickle(tmp_pat
     assert b"pickle" not in path.read_bytes()[:200] and path.read_bytes()[8:9] == b"{"
 
 
+def test_swapping_which_layer_is_frozen_is_seen_though_the_count_stays(tmp_path):
+    """backbone.0 frozen as backbone.3 is unfrozen: as many trainable tensors as before, but other ones. The
+    records measure the tensors trainable now, and run.json names them."""
+    model, optimizer, tel = make_run(tmp_path)
+    model.backbone[0].requires_grad_(False)
+    for _ in range(2):
+        train_step(model, optimizer)
+        tel.on_batch_end(model, optimizer, 0, 0)
+    model.backbone[0].requires_grad_(True)
+    model.backbone[3].requires_grad_(False)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer)
+        kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+        want = torch.nn.utils.get_total_norm([p.grad for p in model.backbone.parameters() if p.requires_grad])
+        rec = tel.on_batch_end(model, optimizer, 0, 0)
+        assert rec["gradient_norm"]["backbone"] == pytest.approx(want.item(), rel=1e-5)
+    train_step(model, optimizer)
+    rec = tel.on_batch_end(model, optimizer, 0, 0)
+    moved = math.sqrt(sum((p.detach() - kept[n]).pow(2).sum().item() for n, p in model.named_parameters()
+                          if n.startswith("backbone.0")))
+    assert moved > 0 and rec["weight_delta"]["backbone"] == pytest.approx(moved, rel=1e-5)
+    tel.close()
+    groups = json.loads((tmp_path / "run" / "run.json").read_text())["groups"]["backbone"]
+    assert groups["names"] == ["backbone.0.weight", "backbone.0.bias"]
+    assert groups["frozen_names"] == ["backbone.3.weight", "backbone.3.bias"]
+
+
 def test_reference_data_starts_on_a_page_whatever_the_names(tmp_path):
     """The header is padded so the tensors start at a multiple of 4096 bytes: at some offsets (80 bytes,
     e.g.) rewriting a large reference was measured several times slower (bench/write_alignment.py)."""
