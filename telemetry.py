@@ -3420,6 +3420,7 @@ class _Schedule:
         self.due = False
         self.calls_without_step = 0
         self.collected_at: Optional[int] = None  # batch_idx of the latest collection, until the next step
+        self.last_idx: Optional[int] = None  # batch_idx of the previous call
 
     def advance(self, optimizer: Any, batch_idx: int) -> int:
         """Optimizer steps since the previous call: 0 for a micro-batch."""
@@ -3433,9 +3434,17 @@ class _Schedule:
         if taken:
             self.collected_at = None
         # A second call for the batch just collected (no step in between) does not ask for another collection.
-        if batch_idx % self.every == 0 and batch_idx != self.collected_at:
+        if batch_idx % self.every == 0 and batch_idx != self.collected_at or self._passed_multiple(batch_idx):
             self.due = True
+        self.last_idx = batch_idx
         return taken
+
+    def _passed_multiple(self, batch_idx: int) -> bool:
+        """Whether a multiple of `every` came since the previous call without a call of its own: a loop that
+        calls only after its optimizer steps, every k batches of gradient accumulation, never passes most
+        multiples. A smaller batch_idx than before is a new epoch, which passed 0; so is the first call."""
+        last = self.last_idx
+        return last is None or batch_idx < last or batch_idx // self.every > last // self.every
 
     def will_collect(self, batch_idx: int) -> bool:
         return self.due or batch_idx % self.every == 0
@@ -4206,7 +4215,6 @@ class TrainingTelemetry:
         self._ranks: Any = _Replicated(*_rank_and_world(), "none")
         self._ranks_key: Any = None
         self._off = False  # the ranks disagree: telemetry is off on every rank
-        self._silent_warn_step = 10 * config.collect_every_n  # warn if nothing was collected by then
         self._hf_callback = None
         self._files: Optional[_RunFiles] = None
         self._reference: Optional[_ReferenceStore] = None
@@ -4282,10 +4290,6 @@ class TrainingTelemetry:
         if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_ddp(model), optimizer)
         if not self._schedule.take_due(batch_idx) or not self._active():
-            if 0 < self._silent_warn_step <= self.step:
-                self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx was never a "
-                                     f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
-                                     "than that restart batch_idx before it gets there; lower collect_every_n.")
             return None
         try:
             with _one_cpu_thread():
@@ -4427,7 +4431,6 @@ class TrainingTelemetry:
             c.add("alerts", self._alerts.check, c.record, nonfinite)
         record = c.record
         record["telemetry_ms"] = self._clock.last_ms = (time.perf_counter() - started) * 1e3
-        self._silent_warn_step = -1
         if nonfinite or _has_nonfinite(record.get("alerts")):  # rare: only then a second walk
             record, paths = replace_nonfinite(record)
             if paths:

@@ -340,6 +340,33 @@ def test_gradient_accumulation_records_only_whole_gradients(tmp_path):
         assert r["gradient_norm"]["overall"] == pytest.approx(norms[r["batch_idx"]], rel=1e-6)
 
 
+def test_gradient_accumulation_with_the_hook_only_after_each_step(tmp_path):
+    """The hook called only where the optimizer steps, every 4th batch (batch_idx 3, 7, 11, ...): most multiples
+    of collect_every_n=10 fall between two calls. Each is collected at the first step after it, as the README
+    says, with that step's whole gradient; a new epoch passes 0."""
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=10, strict=True,
+                                            alerts=False, track_system=False))
+    accumulate, norms = 4, {}
+    for epoch in range(2):
+        for batch_idx in range(42):
+            part = slice(batch_idx * 8, batch_idx * 8 + 8)
+            (nn.functional.cross_entropy(model(x[part]), y[part]) / accumulate).backward()
+            if batch_idx % accumulate == accumulate - 1:
+                norms[epoch, batch_idx] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+                optimizer.step()
+                tel.on_batch_end(model, optimizer, batch_idx, epoch)
+                optimizer.zero_grad()
+    tel.close()
+    records = read(tmp_path)
+    assert [(r["epoch"], r["batch_idx"]) for r in records] == [(e, b) for e in range(2) for b in (3, 11, 23, 31, 43)
+                                                              if b < 42]
+    for r in records:
+        assert r["gradient_norm"]["overall"] == pytest.approx(norms[r["epoch"], r["batch_idx"]], rel=1e-6)
+
+
 def test_several_optimizers_passed_as_a_list_record_each_ones_groups(tmp_path):
     """A backbone's SGD and a head's Adam, each stepping every batch: the records count optimizer steps, hold
     both optimizers' learning rates as they are, and the norms cover every parameter; the analyzer is quiet
