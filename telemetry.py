@@ -2508,7 +2508,8 @@ class _RunFiles:
 
     def start(self, config: TelemetryConfig) -> int:
         """Take the directory (the lock), set aside what cannot be ours, record this start in run.json;
-        returns the step of the last readable record (a resume goes on counting from there)."""
+        returns the optimizer steps taken so far (a resume goes on counting from there): those counted when the
+        last start closed (run.json's `steps`), or the step of the last readable record after a crash."""
         os.makedirs(self.output_dir, exist_ok=True)
         if self.writer:
             self._set_aside_strangers()
@@ -2516,6 +2517,8 @@ class _RunFiles:
         step = self._last_logged_step()
         self.resumed = step > 0
         self.info = self._load_info()
+        closed = self.info.get("steps")
+        step = max(step, closed) if type(closed) is int else step
         self.info["starts"].append(datetime.datetime.now().isoformat())
         self.start_index = len(self.info["starts"]) - 1
         self.info.update(schema=SCHEMA_VERSION, torch_version=torch.__version__, config=dataclasses.asdict(config))
@@ -2590,9 +2593,10 @@ class _RunFiles:
                               "off for the rest of this run, training goes on")
             return None
 
-    def close(self) -> None:
-        """Write what is held, mark the end of this start in run.json and let go of the files. Never raises
-        for I/O: the run is over either way.
+    def close(self, steps: Optional[int] = None) -> None:
+        """Write what is held, mark the end of this start in run.json with the optimizer steps taken so far
+        (`steps`: the next start counts on from them) and let go of the files. Never raises for I/O: the run
+        is over either way.
 
         run.json's `ends` is aligned with `starts`: ends[k] is when start k closed, null while it runs or
         when it never closed (a crash). A restart appends to `starts` only, so the run is open again until
@@ -2609,7 +2613,7 @@ class _RunFiles:
             ends = (ends + [None] * len(starts))[:len(starts)]
             ends[self.start_index] = datetime.datetime.now().isoformat()
             try:
-                self.update_info(ends=ends)
+                self.update_info(ends=ends, **({} if steps is None else {"steps": steps}))
             except OSError as exc:  # strict, and the disk failed
                 self.warn("disk", f"telemetry: cannot write to {self.output_dir} ({exc}) while closing")
         if self.fd is not None:
@@ -4232,7 +4236,7 @@ class TrainingTelemetry:
         self.run_file = os.path.join(output_dir, RUN_FILE)
         self._files = _RunFiles(output_dir, self.config, self._warn, _Mirrors(self.config, self._warn, output_dir))
         self._reference = _ReferenceStore(output_dir, self.config, self._files, self._warn)
-        self.step = self._files.start(self.config)
+        self.step = self._start_step = self._files.start(self.config)
 
     @property
     def checkpoint_file(self) -> str:
@@ -4364,7 +4368,7 @@ class TrainingTelemetry:
 
     def close(self) -> None:
         if self._files is not None:
-            self._files.close()
+            self._files.close(self.step)
             self._files.mirrors.close()
 
     def __enter__(self) -> "TrainingTelemetry":
@@ -4517,7 +4521,9 @@ class TrainingTelemetry:
         while os.path.lexists(f"{old}-{n}"):
             n += 1
         self._files.abandon()
+        taken = self.step - self._start_step  # this run's steps so far: they count in the new directory too
         self._open(f"{old}-{n}")
+        self.step += taken
         self._warn("other-model", f"telemetry: {old} holds the run of another model (other parameter names or "
                                   f"shapes); this run writes to {self.output_dir} instead")
 

@@ -529,6 +529,8 @@ def test_telemetry_py_copied_alone_into_a_project_and_run_twice(tmp_path):
     other = run_user_script(project, run, "48")
     assert other.stdout.strip().endswith("exp1-2") and "holds the run of another model" in other.stderr
     assert len(read(run)) == len(records) and read(run + "-2")[0]["start"] == 0
+    # The moved run counts its own steps, from 1, as the first run did with the same loop.
+    assert [r["step"] for r in read(run + "-2")] == [r["step"] for r in first]
 
 
 def test_auto_named_run_directories(tmp_path):

@@ -420,6 +420,23 @@ def test_resume_appends_and_uses_the_reference_on_disk(tmp_path, pass_threads):
     assert len(info["starts"]) == 2
 
 
+def test_a_resume_counts_the_steps_taken_after_the_last_record(tmp_path):
+    """25 steps collected every 10 batches: the last record is step 21, and close() keeps the 25. The next
+    start's steps are 26 and on, and its first delta is measured from the reference of step 21."""
+    model, optimizer, _ = make_run(tmp_path / "unused")
+    run = str(tmp_path / "run")
+    for start in range(2):
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=10, strict=True))
+        for batch_idx in range(25):
+            train_step(model, optimizer)
+            tel.on_batch_end(model, optimizer, batch_idx, start)
+        tel.close()
+    records = read_records(run)
+    assert [r["step"] for r in records] == [1, 11, 21, 26, 36, 46]
+    assert records[3]["reference_step"] == 21
+    assert json.loads(open(os.path.join(run, "run.json")).read())["steps"] == 50
+
+
 def test_two_instances_never_mix(tmp_path):
     m1, o1, t1 = make_run(tmp_path / "one")
     m2 = nn.Linear(4, 2)
