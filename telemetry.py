@@ -2834,7 +2834,7 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
     and listed in layout.outside; frozen tensors are counted per group in layout.frozen."""
     opt_groups = getattr(optimizer, "param_groups", None) or []
     opt_index = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"]}
-    opt_names = [str(g.get("name") or f"group_{gi}") for gi, g in enumerate(opt_groups)]
+    opt_names = _unique_names([str(g.get("name") or f"group_{gi}") for gi, g in enumerate(opt_groups)])
     every = list(model.named_parameters())
     held = [(n, p) for n, p in every if not opt_groups or id(p) in opt_index]
     held_ids = {id(p) for _, p in held}
@@ -2883,6 +2883,21 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
                      frozen={g: [frozen[i] for i in idx] for g, idx in frozen_in.items() if idx},
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
     return layout, partitions
+
+
+def _unique_names(names: List[str]) -> List[str]:
+    """Group names made unique by a suffix (decay, decay_2): two optimizers built by one helper give their
+    groups the same names, and groups merged under one name would mix their norms and keep one lr."""
+    taken, out = set(names), []
+    for name in names:
+        if name in out:
+            k = 2
+            while f"{name}_{k}" in taken:
+                k += 1
+            name = f"{name}_{k}"
+            taken.add(name)
+        out.append(name)
+    return out
 
 
 def _partition_by_optimizer(params: List[torch.Tensor], opt_index: Dict[int, int],

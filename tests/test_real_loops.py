@@ -418,6 +418,34 @@ def test_several_optimizers_passed_as_a_list_record_each_ones_groups(tmp_path):
         TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "bad"))).on_batch_end(model, [backbone, "adam"], 0, 0)
 
 
+def test_optimizers_whose_groups_share_names_keep_each_group_apart(tmp_path):
+    """An encoder's and a decoder's AdamW built by one helper, both with groups "decay" and "no_decay": each
+    group keeps its own norm and learning rate, the second optimizer's under decay_2 and no_decay_2."""
+    x, y = digits()
+    model = mlp()
+
+    def adamw(layer, lr):
+        return torch.optim.AdamW([{"params": [layer.weight], "name": "decay", "lr": lr},
+                                  {"params": [layer.bias], "name": "no_decay", "lr": lr, "weight_decay": 0.0}])
+    optimizers = [adamw(model[0], 1e-3), adamw(model[2], 1e-2)]
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    for o in optimizers:
+        o.zero_grad()
+    nn.functional.cross_entropy(model(x[:32]), y[:32]).backward()
+    norms = {name: p.grad.norm().item() for name, p in zip(("decay", "no_decay", "decay_2", "no_decay_2"),
+                                                             (model[0].weight, model[0].bias, model[2].weight,
+                                                              model[2].bias))}
+    for o in optimizers:
+        o.step()
+    rec = tel.on_batch_end(model, optimizers, 0, 0)
+    tel.close()
+    assert rec["learning_rates"] == {"overall": pytest.approx(1e-2), "decay": pytest.approx(1e-3),
+                                     "no_decay": pytest.approx(1e-3), "decay_2": pytest.approx(1e-2),
+                                     "no_decay_2": pytest.approx(1e-2)}
+    for name, norm in norms.items():
+        assert rec["gradient_norm"][name] == pytest.approx(norm, rel=1e-6)
+
+
 def test_a_batch_in_the_device_slot_is_a_type_error_naming_the_order(tmp_path):
     x, y = digits()
     model = mlp()
