@@ -4703,6 +4703,20 @@ def hf_callback_class() -> type:
     return TelemetryCallback
 
 
+@contextlib.contextmanager
+def _lrs_as_used(used: List[tuple]):
+    """Each (param group, lr) of `used` put back into its group for the time of a collection, then the lr the
+    scheduler has set since: the record holds the lr the step used, and the training goes on with its own."""
+    now = [(g, g["lr"]) for g, _ in used]
+    try:
+        for g, lr in used:
+            g["lr"] = lr
+        yield
+    finally:
+        for g, lr in reversed(now):
+            g["lr"] = lr
+
+
 def lightning_callback_class() -> type:
     """The lightning.pytorch Callback behind TrainingTelemetry.lightning_callback(), made on first use."""
     if "lightning" in _LAZY_CLASSES:
@@ -4720,10 +4734,13 @@ def lightning_callback_class() -> type:
         optimizer.step(), [scaler.update()], on_train_batch_end. Hence:
         - gradients are read in on_before_optimizer_step (capture_gradients): unscaled and before clipping,
           the norm lightning.pytorch.utilities.grad_norm reports there;
-        - the record is made in on_train_batch_end: the weights are updated (the delta includes this step)
-          and every group's lr is the one this step used;
+        - the record is made in on_train_batch_end: the weights are updated (the delta includes this step).
+          Lightning has stepped the lr scheduler by then, so every group's lr is read in
+          on_before_optimizer_step, and recorded as the lr this step used;
         - batch_idx is Lightning's, per epoch: collect_every_n counts batches. With accumulate_grad_batches
-          > 1, only batches that end an optimizer step are collected (whole gradients);
+          > 1, only batches that end an optimizer step are collected (whole gradients), and the loss is the
+          sum of the step's micro-batch losses, which Lightning divided by accumulate_grad_batches: the
+          number the step's backward()s added up to;
         - the scalars logged with self.log (trainer.callback_metrics: train accuracy, say) go with the loss;
         - 16-mixed precision's GradScaler is picked up in on_fit_start (the grad_scaler section).
         Under DDP the callback runs on every rank and rank 0 writes; under FSDP2 (ModelParallelStrategy)
@@ -4733,6 +4750,8 @@ def lightning_callback_class() -> type:
         def __init__(self, telemetry: "TrainingTelemetry"):
             self.telemetry = telemetry
             self._batch_idx = 0
+            self._used_lrs: List[tuple] = []  # (param group, its lr when the optimizer stepped)
+            self._loss: Optional[torch.Tensor] = None  # the micro-batch losses since the last step, added up
 
         def on_fit_start(self, trainer, pl_module):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -4743,14 +4762,23 @@ def lightning_callback_class() -> type:
             self._batch_idx = batch_idx
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self._used_lrs += [(g, g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"])
+                               for g in getattr(optimizer, "param_groups", ())]
             self.telemetry.capture_gradients(pl_module, self._optimizer(trainer), self._batch_idx)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            self.telemetry.on_batch_end(pl_module, self._optimizer(trainer), batch_idx, trainer.current_epoch,
-                                        device=pl_module.device, batch=batch,
-                                        loss=loss if isinstance(loss, torch.Tensor) else None,
-                                        **self._logged(trainer))
+            loss = loss.detach() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+            if pl_module.automatic_optimization and loss is not None:
+                self._loss = loss if self._loss is None else self._loss + loss
+                loss = self._loss
+            stepped, self._used_lrs = self._used_lrs, []
+            if stepped:
+                self._loss = None
+            with _lrs_as_used(stepped):
+                self.telemetry.on_batch_end(pl_module, self._optimizer(trainer), batch_idx, trainer.current_epoch,
+                                            device=pl_module.device, batch=batch, loss=loss,
+                                            **self._logged(trainer))
 
         @staticmethod
         def _logged(trainer):

@@ -26,7 +26,7 @@ class Tiny(pl.LightningModule):
         super().__init__()
         self.body = torch.nn.Linear(5, 4)
         self.head = torch.nn.Linear(4, 3)
-        self.norms, self.losses, self.weights, self.accuracies = [], [], [], []
+        self.norms, self.losses, self.weights, self.accuracies, self.lrs = [], [], [], [], []
 
     def forward(self, x):
         return self.head(torch.tanh(self.body(x)))
@@ -43,6 +43,7 @@ class Tiny(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         self.norms.append(grad_norm(self, norm_type=2)["grad_2.0_norm_total"].item())
+        self.lrs.append({g["name"]: g["lr"] for g in optimizer.param_groups})
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.weights.append([p.detach().clone() for p in self.parameters()])
@@ -110,6 +111,27 @@ def test_accumulated_batches_are_recorded_only_at_optimizer_steps(tmp_path):
     assert len(module.norms) == 3
     for record, norm in zip(records, module.norms):
         assert math.isclose(record["gradient_norm"]["overall"], norm, rel_tol=1e-6)
+
+
+class Scheduled(Tiny):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_the_lr_a_step_used_and_the_loss_of_its_micro_batches(tmp_path):
+    """Lightning steps the scheduler before on_train_batch_end: the record still holds the lr each group had
+    when the optimizer stepped (read by the module in on_before_optimizer_step), and the training goes on
+    with the scheduler's. With 2 batches per step, the loss is their mean, as the step's backward()s saw it."""
+    module, records, trainer = fit(tmp_path, Scheduled, accumulate_grad_batches=2)
+    assert [r["step"] for r in records] == [1, 2, 3] and len(module.lrs) == 3
+    for k, record in enumerate(records):
+        used = module.lrs[k]
+        assert record["learning_rates"] == pytest.approx({"overall": max(used.values()), **used})
+        b = record["batch_idx"]
+        assert math.isclose(record["loss"], (module.losses[b - 1] + module.losses[b]) / 2, rel_tol=1e-6)
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [0.5 * 0.5 ** 3] * 2
 
 
 def test_what_self_log_records_reaches_the_record(tmp_path):
