@@ -785,16 +785,22 @@ def _json_default(value: Any) -> Any:
 
 
 def find_lora_modules(model: torch.nn.Module) -> List[tuple]:
-    """(module name, module, adapter name) for every LoRA adapter of every LoRA module, in model order.
+    """(module name, module, adapter name) for every active LoRA adapter of every LoRA module, in model order.
 
     A LoRA module has `lora_A` and `lora_B` containers keyed by adapter name (peft's nn.ModuleDict, which
-    unsloth reuses; a plain dict passes too) and a `scaling` dict with one entry per adapter.
+    unsloth reuses; a plain dict passes too) and a `scaling` dict with one entry per adapter. Where the module
+    names its `active_adapters` (peft), the others are left out: an adapter kept beside the one in training
+    takes no part in the forward, and its numbers would hide those of the trained one (an adapter at zero).
     """
     found = []
     for name, module in model.named_modules():
         scaling = getattr(module, "scaling", None)
         if isinstance(scaling, dict) and hasattr(module, "lora_A") and hasattr(module, "lora_B"):
-            found.extend((name, module, adapter) for adapter in scaling if lora_factors(module, adapter))
+            active = getattr(module, "active_adapters", None)
+            active = [active] if isinstance(active, str) else active
+            found.extend((name, module, adapter) for adapter in scaling
+                         if (not isinstance(active, (list, tuple)) or adapter in active)
+                         and lora_factors(module, adapter))
     return found
 
 

@@ -118,6 +118,21 @@ def test_adapter_norm_and_stable_rank_match_peft_dense(tmp_path, use_rslora, use
     assert lora["b_zero_fraction"] == 0.0
 
 
+def test_an_inactive_adapter_is_left_out_of_the_lora_section(tmp_path):
+    """A trained adapter "old" kept beside a new one that is being trained: only the active "new" is measured.
+    Its B is still zero, so b_zero_fraction is 1 and adapter_norm 0, as get_delta_weight("new") says."""
+    model = lora_model()
+    randomize_adapters(model, 1)
+    model.add_adapter("new", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model.set_adapter("new")
+    layers = lora_layers(model)
+    assert all(float(m.get_delta_weight("new").norm()) == 0.0 for _, m in layers)
+    assert all(float(m.get_delta_weight("default").norm()) > 0.0 for _, m in layers)
+    lora = new_telemetry(tmp_path, track_gradients=False).on_batch_end(model, None, 1, 0)["lora"]
+    assert lora["modules"] == len(layers) == 6
+    assert lora["b_zero_fraction"] == 1.0 and lora["adapter_norm"]["overall"] == 0.0
+
+
 @pytest.mark.parametrize("keep_reference", [True, False])
 def test_adapter_delta_matches_dense_difference(tmp_path, keep_reference):
     # Without weight_delta's reference pass, the lora section keeps a reference of the adapters itself.
