@@ -469,7 +469,7 @@ def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
     the counts are needed to build the keys, so this is the one metric that copies to the host itself."""
     values = labels.detach().reshape(-1).cpu()
     stats: Dict[str, Any] = {"batch_size": int(labels.shape[0]) if labels.dim() else 1, "label_key": key}
-    if is_regression_target(values) or (values.is_floating_point() and labels.dim() > 1 and labels[0].numel() > 1):
+    if is_regression_target(values) or _multi_label(labels):
         return stats  # a regression target, or several 0/1 targets per example, has no classes to balance
     uniq, counts = torch.unique(values.long(), return_counts=True)
     total = max(int(values.numel()), 1)
@@ -540,6 +540,14 @@ def is_regression_target(labels: torch.Tensor) -> bool:
     Host values: called once per holdout, and by label_balance, which copies its labels anyway."""
     values = labels.detach().cpu()
     return values.is_floating_point() and not bool(((values == 0) | (values == 1)).all())
+
+
+def _multi_label(labels: torch.Tensor) -> bool:
+    """Several 0/1 targets per example (multi-label or one-hot), in any dtype: [N, C] labels with C > 1."""
+    if labels.dim() < 2 or labels[0].numel() < 2:
+        return False
+    values = labels.detach().cpu()
+    return values.dtype == torch.bool or bool(((values == 0) | (values == 1)).all())
 
 
 def regression_holdout(predictions: torch.Tensor, targets: torch.Tensor) -> Dict[str, Any]:
@@ -3971,7 +3979,8 @@ class _Holdout:
                 raise ValueError(f"set_holdout_data: the labels of a batch of {n} examples are "
                                  f"{type(got).__name__} {list(getattr(got, 'shape', []))}; pass labels= returning "
                                  "a tensor with one row per example")
-            if got.is_floating_point() and got[0].numel() > 1 and not is_regression_target(got):
+            if _multi_label(got) and not (isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor)
+                                          and batch["input_ids"].shape == got.shape):  # a language model's tokens
                 raise ValueError(f"set_holdout_data: labels of shape {list(got.shape)} holding only 0 and 1 are "
                                  "multi-label or one-hot targets, which the holdout does not score (it scores a "
                                  "class index per example, a language model's tokens, or regression targets); "

@@ -121,8 +121,13 @@ def test_unusable_holdouts_are_refused_at_set_holdout_data(tmp_path):
     with pytest.raises(ValueError, match="are a (str|list), not a tensor.*class names mapped to class indices"):
         tel.set_holdout_data([(x[i], "odd" if y[i] % 2 else "even") for i in range(50)])
     multi = (torch.rand(50, 5) > 0.5).float()  # multi-label (BCEWithLogits) targets
-    with pytest.raises(ValueError, match=r"labels of shape \[50, 5\] holding only 0 and 1 are multi-label"):
-        tel.set_holdout_data((x[:50], multi))
+    from telemetry import batch_stats
+    for targets in (multi, multi.long(), multi.bool()):  # in whatever dtype
+        with pytest.raises(ValueError, match=r"labels of shape \[50, 5\] holding only 0 and 1 are multi-label"):
+            tel.set_holdout_data((x[:50], targets))
+        # Nor are a training batch's 0/1 cells counted as if they were classes.
+        assert batch_stats((x[:50], targets), None) == {"batch_size": 50, "label_key": "label",
+                                                         "fingerprint": batch_stats((x[:50],), None)["fingerprint"]}
     with pytest.raises(ValueError, match=r"argmax"):
         tel.set_holdout_data((x[:50], nn.functional.one_hot(y[:50], 10).float()))
     tel.set_holdout_data((x[:50], nn.functional.one_hot(y[:50], 10).float()),
