@@ -4415,6 +4415,9 @@ class TrainingTelemetry:
     def _collect_held(self, model, optimizer, global_step: int, epoch: int, batch: Any, loss: Any):
         """on_batch_end for optimizer step global_step + 1, its record held back until _release_held()."""
         self.step = global_step  # on_batch_end counts it up to this optimizer step
+        # Steps are the batch_idx here: the one before it was the previous call's, whatever came before (a
+        # resume), so a collection falls on every collect_every_n-th step, as the Trainer logs them.
+        self._schedule.last_idx = global_step
         with self._files.hold() if self._files is not None else contextlib.nullcontext():
             return self.on_batch_end(model, optimizer, global_step + 1, epoch, batch=batch, loss=loss)
 
