@@ -3473,11 +3473,12 @@ class _Schedule:
         return taken
 
     def _passed_multiple(self, batch_idx: int) -> bool:
-        """Whether a multiple of `every` came since the previous call without a call of its own: a loop that
-        calls only after its optimizer steps, every k batches of gradient accumulation, never passes most
-        multiples. A smaller batch_idx than before is a new epoch, which passed 0; so is the first call."""
+        """Whether a multiple of `every` came since the previous call of this epoch without a call of its own: a
+        loop that calls only after its optimizer steps, every k batches of gradient accumulation, lands on
+        few multiples. A smaller batch_idx than before is a new epoch, whose batches before it are unknown:
+        there, as at the first call, only a multiple itself counts."""
         last = self.last_idx
-        return last is None or batch_idx < last or batch_idx // self.every > last // self.every
+        return last is not None and batch_idx > last and batch_idx // self.every > last // self.every
 
     def will_collect(self, batch_idx: int) -> bool:
         return self.due or batch_idx % self.every == 0
@@ -4249,6 +4250,7 @@ class TrainingTelemetry:
         self._ranks: Any = _Replicated(*_rank_and_world(), "none")
         self._ranks_key: Any = None
         self._off = False  # the ranks disagree: telemetry is off on every rank
+        self._silent_warn_step = 10 * config.collect_every_n  # warn if nothing was collected by then
         self._hf_callback = None
         self._files: Optional[_RunFiles] = None
         self._reference: Optional[_ReferenceStore] = None
@@ -4324,6 +4326,10 @@ class TrainingTelemetry:
         if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_ddp(model), optimizer)
         if not self._schedule.take_due(batch_idx) or not self._active():
+            if 0 < self._silent_warn_step <= self.step:
+                self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx never reached a "
+                                     f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
+                                     "than that restart batch_idx before it gets there; lower collect_every_n.")
             return None
         try:
             with _one_cpu_thread():
@@ -4415,9 +4421,6 @@ class TrainingTelemetry:
     def _collect_held(self, model, optimizer, global_step: int, epoch: int, batch: Any, loss: Any):
         """on_batch_end for optimizer step global_step + 1, its record held back until _release_held()."""
         self.step = global_step  # on_batch_end counts it up to this optimizer step
-        # Steps are the batch_idx here: the one before it was the previous call's, whatever came before (a
-        # resume), so a collection falls on every collect_every_n-th step, as the Trainer logs them.
-        self._schedule.last_idx = global_step
         with self._files.hold() if self._files is not None else contextlib.nullcontext():
             return self.on_batch_end(model, optimizer, global_step + 1, epoch, batch=batch, loss=loss)
 
@@ -4468,6 +4471,7 @@ class TrainingTelemetry:
             c.add("alerts", self._alerts.check, c.record, nonfinite)
         record = c.record
         record["telemetry_ms"] = self._clock.last_ms = (time.perf_counter() - started) * 1e3
+        self._silent_warn_step = -1
         if nonfinite or _has_nonfinite(record.get("alerts")):  # rare: only then a second walk
             record, paths = replace_nonfinite(record)
             if paths:
