@@ -2259,6 +2259,7 @@ class _GradScaler:
         self.scaler: Any = None
         self.seen: Any = None  # the scale at the previous call, on the device
         self.skipped: Any = 0
+        self.skipped_now = False  # scaler.step() skipped the step this call follows
 
     def set(self, scaler: Any) -> None:
         if scaler is not None and not scaler.is_enabled():  # GradScaler(enabled=use_amp) without AMP: nothing to read
@@ -2310,7 +2311,10 @@ class _GradScaler:
 
     def section(self) -> Dict[str, Any]:
         scale = self.scaler._get_scale_async()
-        return {"scale": scale if scale is not None else self.scaler.get_scale(), "skipped_steps": self.skipped}
+        out = {"scale": scale if scale is not None else self.scaler.get_scale(), "skipped_steps": self.skipped}
+        if self.skipped_now:  # the gradients of this record hold the inf/NaN the scaler skipped the step for
+            out["skipped"] = True
+        return out
 
 
 class _SystemClock:
@@ -2455,6 +2459,9 @@ def _nonfinite_alerts(record: Dict[str, Any]):
     _, paths = replace_nonfinite(record)
     paths = [p for p in paths if not p.startswith(("update_ratio", "custom"))]
     tensors = record.get("nonfinite_params") or []
+    if (record.get("grad_scaler") or {}).get("skipped"):
+        # The scaler saw these gradients and skipped the step; weights gone bad still show in the weight paths.
+        paths, tensors = [p for p in paths if "grad" not in p], []
     if paths or tensors:
         shown = ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "")
         if tensors:
@@ -4313,7 +4320,11 @@ class TrainingTelemetry:
             raise ValueError(f"on_batch_end: loss= has {loss.numel()} values (shape {list(loss.shape)}); pass the "
                              "one number the optimizer stepped on, e.g. loss.mean() for a per-example loss")
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
-        taken = self._schedule.advance(optimizer, batch_idx) or int(self._scaler.backed_off())
+        taken = self._schedule.advance(optimizer, batch_idx)
+        # A step the GradScaler skipped (inf/NaN gradients) is still a step of the loop, as the HF Trainer's and
+        # Lightning's step counts have it: recorded, its gradients null and marked, raising no alert of its own.
+        self._scaler.skipped_now = not taken and self._scaler.backed_off()
+        taken = taken or int(self._scaler.skipped_now)
         self._scaler.track()
         if not taken:  # no optimizer step since the last call: a micro-batch of gradient accumulation
             if self._schedule.calls_without_step == 10 * self.config.collect_every_n + 100:

@@ -17,13 +17,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from telemetry import TelemetryConfig, TrainingTelemetry  # noqa: E402
 
 
-def setup(tmp_path, fused=False, init_scale=1024.0):
+def setup(tmp_path, fused=False, init_scale=1024.0, alerts=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     telemetry = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True,
-                                                  track_holdout_logits=False, alerts=False))
+                                                  track_holdout_logits=False, alerts=alerts))
     telemetry.set_grad_scaler(scaler)
     return model, optimizer, scaler, telemetry
 
@@ -86,7 +86,9 @@ def test_gradients_captured_before_the_step_are_divided_by_the_scale(tmp_path):
 
 
 def test_skipped_steps_and_scale(tmp_path):
-    model, optimizer, scaler, telemetry = setup(tmp_path, init_scale=2.0 ** 16)
+    """A step the scaler skipped is a step of the loop, as the HF Trainer and Lightning count them: recorded,
+    marked skipped, its inf gradients null and listed, and no alert raised for what the scaler dealt with."""
+    model, optimizer, scaler, telemetry = setup(tmp_path, init_scale=2.0 ** 16, alerts=True)
     blow_ups = {1, 2, 4}
     skipped, records = 0, []
     for step in range(6):
@@ -97,7 +99,9 @@ def test_skipped_steps_and_scale(tmp_path):
         scaler.update()
         skipped += all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # the step was skipped
         records.append(telemetry.on_batch_end(model, optimizer, step, 0))
-        assert records[-1]["grad_scaler"] == {"scale": scaler.get_scale(), "skipped_steps": skipped}
+        assert records[-1]["grad_scaler"] == {"scale": scaler.get_scale(), "skipped_steps": skipped,
+                                              **({"skipped": True} if step in blow_ups else {})}
+        assert "alerts" not in records[-1]
     assert skipped == 3 and records[-1]["grad_scaler"]["scale"] == 2.0 ** 13
     # A skipped step's gradients hold inf: recorded as null and listed, never as a number.
     assert records[1]["gradient_norm"]["overall"] is None and "gradient_norm.overall" in records[1]["nonfinite"]
