@@ -68,6 +68,10 @@ _SECTION_KEYS = {"start", "reference_step", "grad_profile", "activations", "grad
                  "sparse_quality", "alerts", "system", "custom", "grad_scaler"}
 _GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
 MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
+# A spike is also at least this multiple of the rolling median, as the analyzer's loss spikes are: a short
+# window of a noisy run (small batches) can hold too little of its spread, and a robust z alone then makes
+# a spike of the run's ordinary values.
+SPIKE_MIN_RATIO = 2.0
 _LOGGER = logging.getLogger("telemetry")
 IGNORE_INDEX = -100  # label value that HF losses skip (padding, prompt tokens)
 # Dict keys tried, in order, when the config names no label key ("winner": pairwise-preference labels).
@@ -1141,7 +1145,8 @@ def robust_z(history: Any, value: float) -> float:
     Taken on a log scale when every value is > 0 (loss and gradient norms vary multiplicatively, so the
     noise late in training, when they are small, is not mistaken for spikes). The scale has a floor (5% on
     the log scale, 1e-3 * |median| otherwise) so that a tight stretch of history, MAD near 0, does not make
-    a spike of a rise of a few percent: at the default threshold of 8, a spike is at least 1.49x the median.
+    a spike of a rise of a few percent: at the default threshold of 8, a z-score alone asks for at least
+    1.49x the median (the alerts ask for SPIKE_MIN_RATIO besides).
     Plain floats: it runs on the host record, after the one transfer.
     """
     values = list(history)
@@ -2415,7 +2420,7 @@ class _AlertMonitor:
         history = self.history["loss"]
         if len(history) >= MIN_ALERT_HISTORY:
             z = robust_z(history, loss)
-            if z > self.config.alert_spike_threshold:
+            if z > self.config.alert_spike_threshold and loss > SPIKE_MIN_RATIO * abs(statistics.median(history)):
                 yield ("loss_spike", "warning", f"loss {loss:.4g} is {z:.1f} robust SDs above its rolling "
                                                 f"median {statistics.median(history):.4g}", None)
         history.append(loss)
@@ -2433,7 +2438,7 @@ class _AlertMonitor:
             if z > cfg.alert_spike_threshold and norm > cfg.alert_explosion_factor * median > 0:
                 yield ("grad_explosion", "critical", f"gradient norm {norm:.4g} is {norm / median:.0f}x its "
                                                      f"rolling median {median:.4g}", None)
-            elif z > cfg.alert_spike_threshold:
+            elif z > cfg.alert_spike_threshold and norm > SPIKE_MIN_RATIO * median:
                 yield ("grad_spike", "warning", f"gradient norm {norm:.4g} is {z:.1f} robust SDs above its "
                                                 f"rolling median {median:.4g}", None)
         history.append(norm)
