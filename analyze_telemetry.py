@@ -716,6 +716,10 @@ class Finding:
     # Findings that follow from this one (the loss and gradient echoes of one spike, the holdout of a run
     # that never learned): listed here, under their cause, rather than beside it (see rank_findings).
     consequences: list = field(default_factory=list)
+    # The codes it may explain, where its own evidence narrows CONSEQUENCES (a class imbalance that the
+    # holdout shares too explains nothing about the holdout); None: all that CONSEQUENCES lists. Internal:
+    # not in --json.
+    explains_only: tuple = field(default=None, repr=False)
 
 
 def _finite(x: np.ndarray) -> np.ndarray:
@@ -1003,15 +1007,86 @@ def _standing_still(run: Run, g: str):
     return evidence, where
 
 
+def _layer_of(name: str) -> str:
+    """The grad_profile layer of a parameter, as telemetry.py's layer_key names it: its name up to the first
+    numeric segment (a block index), else its module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def _layers_without_gradient(run: Run):
+    """(layers, the layers that had a gradient, collections considered, first step) for the grad_profile layers
+    whose gradient was absent (null, and not for a NaN) in every collection where some other layer had one;
+    None where there are none, or fewer than 3 such collections to tell."""
+    never, reached, considered, first = None, {}, 0, None
+    for r in run.records:
+        prof = r.get("grad_profile")
+        if not isinstance(prof, dict):
+            continue
+        with_grad = [k for k, v in prof.items() if _num(v) > 0]
+        if not with_grad:
+            continue   # no gradient anywhere: the hook ran after zero_grad (missing_gradients' finding)
+        nonfinite = {_text(p) for p in r.get("nonfinite") or []} if isinstance(r.get("nonfinite"), list) else set()
+        null = {k for k, v in prof.items() if v is None and f"grad_profile.{k}" not in nonfinite}
+        # A layer absent from a record (another model after a restart) or with a gradient in it drops out:
+        # a head trained on every other batch has none on half the steps, and is no finding.
+        never = null if never is None else never & null
+        reached.update(dict.fromkeys(with_grad))
+        considered += 1
+        first = r["step"] if first is None else first
+    if not never or considered < 3:
+        return None
+    layers = [k for k in section_keys(run, "grad_profile", skip_overall=False) if k in never]
+    return layers, list(reached), considered, first
+
+
+def _gradless_layers(run: Run, covered: set):
+    """frozen_group for the layers that never get a gradient inside groups that do (a backbone whose output is
+    detached before the head, in one optimizer group with it): the group as a whole moves, so its own numbers
+    hide them. Groups in `covered` have a finding of their own."""
+    found = _layers_without_gradient(run)
+    if found is None:
+        return None
+    layers, reached, considered, first = found
+    owner = {}
+    for g, info in _meta_groups(run).items():
+        for n in info.get("names") or []:
+            if isinstance(n, str):
+                owner.setdefault(_layer_of(n), set()).add(g)
+    if covered:   # a layer of a group already reported, or one whose group run.json does not name, is left out
+        layers = [k for k in layers if owner.get(k) and not owner[k] <= covered]
+    if not layers:
+        return None
+    groups = set().union(*(owner.get(k, set()) for k in layers))
+    group = next(iter(groups)) if len(groups) == 1 else None
+    # Only the input side: standing still there is the whole feature extractor, and the model learns only on
+    # top of its initial weights. A head without a gradient in every record may be one trained on the other
+    # batches of a multi-task loop, which collections at every even step never see.
+    if layers[0] != section_keys(run, "grad_profile", skip_overall=False)[0]:
+        return None
+    return Finding(
+        "frozen_group", "critical",
+        f"{len(layers)} layer(s) ({', '.join(layers[:6])}{', ...' if len(layers) > 6 else ''}) got no gradient at "
+        f"all (null in the gradient profile) in all {considered} collections where other layers had one "
+        f"({', '.join(reached[:3])}{', ...' if len(reached) > 3 else ''}), so the optimizer never changes them"
+        + (f"; the rest of their group '{group}' trains" if group else "") + ".",
+        [int(first)], group=group,
+        hint="The loss does not reach them: look in forward for a detach(), torch.no_grad() or .data between them "
+             "and the output, or a module forward never calls; if they are meant to stay fixed, freeze them "
+             "(requires_grad_(False)) or leave them out of the optimizer.")
+
+
 def check_frozen_groups(run: Run) -> list:
     """A group whose weights never move while the others do, for a reason the records do not name (those
-    they name have their own findings: lr_zero, frozen_parameters, not_in_optimizer)."""
+    they name have their own findings: lr_zero, frozen_parameters, not_in_optimizer); or layers inside a
+    group that never get a gradient while the rest of it does."""
     groups = list(dict.fromkeys(_groups(run, "gradient_norm") + _groups(run, "weight_delta") + list(_meta_groups(run))))
-    if len(groups) < 2:
-        return []
-    lr_zero = _lr_zero_groups(run)
+    lr_zero = _lr_zero_groups(run) if len(groups) >= 2 else {}
     findings = []
-    for g in groups:
+    for g in groups if len(groups) >= 2 else []:
         if g in lr_zero or _outside_optimizer(run, g) or _wholly_frozen(run, g):
             continue
         evidence, where = _standing_still(run, g)
@@ -1023,7 +1098,8 @@ def check_frozen_groups(run: Run) -> list:
                 hint="Check requires_grad on that group's parameters, that they are in the optimizer, and that "
                      "forward uses them without detach()/torch.no_grad(); after a blow-up, dead ReLUs also give "
                      "zero gradients."))
-    return findings
+    layers = _gradless_layers(run, {f.group for f in findings})
+    return findings + ([layers] if layers else [])
 
 
 def _steps_covered(run: Run) -> np.ndarray:
@@ -1167,6 +1243,11 @@ def check_loss_stalled(run: Run) -> list:
         return []
     if abs(t.last - prior) > max(3 * t.se, 0.1 * prior):
         return []   # flat but away from the chance level: it learned before the first collection, or blew up
+    loss = _finite(column(run, "loss"))
+    k = max(3, int(math.ceil(0.2 * len(loss))))
+    lowest = float(np.median(np.lib.stride_tricks.sliding_window_view(loss, k), axis=1).min())
+    if lowest < prior - max(3 * t.se, 0.1 * prior):
+        return []   # it fell well below the chance level on the way and came back (a blow-up): not from the start
     return [Finding(
         "loss_stalled", "warning",
         f"the train loss stayed at the chance level from the start: {_trend_text(t)}, against {_fmt(prior)} for a "
@@ -1188,13 +1269,28 @@ def _peak_loss(run: Run, level: float):
     return max(candidates) if candidates else None
 
 
+def _began_with_a_bad_batch(run: Run, onset: int) -> bool:
+    """Whether a rise of the loss first seen at step `onset` began with a bad batch: a loss spike the batch made
+    (_bad_batches) at that step, or at the collection before it (the holdout shows the spoilt weights at the
+    collection after the batch)."""
+    bad = _bad_batches(run, _spikes(run))
+    st = steps(run)
+    return any(b <= onset <= (st[st > b][0] if (st > b).any() else b) for b in bad)
+
+
 def check_loss_diverging(run: Run) -> list:
-    """The loss went up and stayed up: a learning rate too high for the model."""
+    """The loss went up and stayed up: a learning rate too high for the model. A rise that began with one bad
+    batch is the loss spike's finding: the batch, not the learning rate, spoilt the weights."""
     t = _loss_trend(run)
     if t is None:
         return []
     reasons, where = [], []
-    if t.last - t.first > max(3 * t.se, 0.5 * abs(t.first)):   # rose by half again, beyond the noise
+    loss, st = column(run, "loss"), steps(run)
+    # where the rise began: the last step the loss was still at or below its level at the start
+    low = np.flatnonzero(np.isfinite(loss) & (loss <= t.first + 3 * t.se))
+    rise = int(st[low[-1] + 1]) if len(low) and low[-1] + 1 < len(st) else t.where[0]
+    if t.last - t.first > max(3 * t.se, 0.5 * abs(t.first)) and not _began_with_a_bad_batch(run, rise):
+        # rose by half again, beyond the noise
         reasons.append(f"the train loss rose from median {_fmt(t.first)} over the first fifth of the run to "
                        f"{_fmt(t.last)} over the last ({_change_text(t.first, t.last)})")
         where.append(t.where[0])
@@ -1203,7 +1299,8 @@ def check_loss_diverging(run: Run) -> list:
     # A model that knows nothing scores `untrained`; 1.5x that is a model confidently wrong, which only a
     # blow-up makes of a fresh one (the healthy corpus runs never pass 1.11x), and still being at that level
     # at the end means it never recovered.
-    if peak and peak[0] >= 1.5 * untrained and t.last >= untrained - 3 * t.se:
+    if peak and peak[0] >= 1.5 * untrained and t.last >= untrained - 3 * t.se \
+            and not _began_with_a_bad_batch(run, peak[3]):
         reasons.append(f"the {peak[2]} loss reached {_fmt(peak[0])} at step {peak[1]}, {peak[0] / untrained:.3g}x the "
                        f"{_fmt(untrained)} of a model that knows nothing, and the train loss is still "
                        f"{_fmt(t.last)} over the last fifth of the run")
@@ -1458,27 +1555,97 @@ def _loss_spikes(x: np.ndarray, positive: bool):
     return np.where(spike)[0], recent
 
 
-def check_loss_spikes(run: Run) -> list:
+@dataclass
+class Spikes:
+    """The run's finite train losses and the loss spikes among them."""
+    rows: np.ndarray      # the records the losses come from
+    loss: np.ndarray
+    steps: np.ndarray
+    index: np.ndarray     # the spikes, as indices into loss
+    events: list          # the first spike of each run of consecutive ones
+    recent: np.ndarray    # the median of the previous batches, per loss
+    positive: bool
+
+
+def _spikes(run: Run) -> Spikes:
     loss = column(run, "loss")
-    ok = np.isfinite(loss)
-    x, st, seg = loss[ok], steps(run)[ok], segment_ids(run)[ok]
+    rows = np.flatnonzero(np.isfinite(loss))
+    x, st, seg = loss[rows], steps(run)[rows], segment_ids(run)[rows]
     positive = bool(np.all(x > 0))
     idx, recent = [], np.full(len(x), np.nan)
     for part in _pieces(seg):   # the window starts again after each restart
         if len(part) >= 12:
             found, recent[part] = _loss_spikes(x[part], positive)
             idx += list(part[found])
-    if not idx:
+    idx = np.array(idx, dtype=int)
+    events = [idx[0]] + [b for a, b in zip(idx[:-1], idx[1:]) if b > a + 1] if len(idx) else []
+    return Spikes(rows, x, st, idx, events, recent, positive)
+
+
+# A batch scoring 3x what the weights it met scored on the holdout, where the two usually agree, is not a
+# sample of the same data; nor is one whose inputs are 10x off every other batch's in scale.
+BATCH_MADE = 3.0
+INPUT_SCALE = 10.0
+
+
+def _bad_batches(run: Run, sp: Spikes) -> dict:
+    """{step: why} for the loss spikes that the batch made and not the weights: the same weights had just scored
+    the holdout (at the collection one step earlier) far below that batch, or the batch's inputs are of
+    another scale than the run's (their fingerprint's sum of squares per example). A learning rate too high
+    spoils the weights first: the holdout they score rises with the train loss, and the inputs stay as
+    they were."""
+    if not len(sp.events):
+        return {}
+    st, seg = steps(run), segment_ids(run)
+    held = column(run, "holdout_logits.loss")
+    size = column(run, "batch_stats.batch_size")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = np.array([_num(fp[1]) if isinstance(fp := _get(r, ["batch_stats", "fingerprint"]), list)
+                          and len(fp) == 2 else math.nan for r in run.records]) / size
+        ok = np.isfinite(scale) & (scale > 0)
+        typical_scale = float(np.median(scale[ok])) if ok.sum() >= 10 else math.nan
+        # the train loss of each step against the holdout loss of the step before, where both were collected
+        prev = np.concatenate([[False], (np.diff(st) == 1) & (seg[1:] == seg[:-1])])
+        ratio = np.full(len(st), np.nan)
+        ratio[1:] = column(run, "loss")[1:] / held[:-1]
+        ratio[~(prev & (np.concatenate([[0.0], held[:-1]]) > 0))] = np.nan
+    usual = _finite(ratio)
+    usual = float(np.median(usual[usual > 0])) if (usual > 0).sum() >= 10 else math.nan
+    out = {}
+    for e in sp.events:
+        i = int(sp.rows[e])
+        if sp.positive and ratio[i] >= BATCH_MADE * usual:
+            out[int(st[i])] = (f"it scored {_fmt(sp.loss[e])} where the same weights had just scored "
+                               f"{_fmt(held[i - 1])} on the holdout (step {int(st[i - 1])})")
+        elif ok[i] and typical_scale > 0 and abs(math.log(scale[i] / typical_scale)) >= math.log(INPUT_SCALE):
+            out[int(st[i])] = (f"its inputs' sum of squares is {_fmt(scale[i] / typical_scale)}x the median "
+                               "batch's, per example")
+    return out
+
+
+def check_loss_spikes(run: Run) -> list:
+    sp = _spikes(run)
+    if not len(sp.index):
         return []
-    idx = np.array(idx)
-    events = [idx[0]] + [b for a, b in zip(idx[:-1], idx[1:]) if b > a + 1]
+    x, st, idx, recent = sp.loss, sp.steps, sp.index, sp.recent
     worst = idx[np.argmax(x[idx] / np.maximum(np.abs(recent[idx]), 1e-12))]
+    band = '6 robust sigmas of log-loss' if sp.positive else '8 robust sigmas'
+    msg = (f"{len(sp.events)} loss spike(s) (more than {band} "
+           f"above the median of the previous 50 batches, and over twice that median); worst at step "
+           f"{int(st[worst])}: {_fmt(x[worst])} vs recent median {_fmt(recent[worst])}")
+    bad = _bad_batches(run, sp)
+    if bad:
+        b, why = next(iter(bad.items()))
+        msg += f". The batch of step {b} was bad, not the weights: {why}"
+        t = _loss_trend(run)
+        before = _finite(x[st < b])[-5:]
+        level = float(np.median(before)) if len(before) >= 3 else math.nan
+        # the damage a bad batch did to the weights, where the loss never came back from it
+        if t is not None and t.last > level + max(3 * t.se, 0.5 * abs(level)):
+            msg += (f"; the train loss did not come back: {_fmt(t.last)} over the last fifth of the run, against "
+                    f"{_fmt(level)} just before it")
     return [Finding(
-        "loss_spike", "warning",
-        f"{len(events)} loss spike(s) (more than {'6 robust sigmas of log-loss' if positive else '8 robust sigmas'} "
-        f"above the median of the previous 50 batches, and over twice that median); worst at step "
-        f"{int(st[worst])}: {_fmt(x[worst])} vs recent median {_fmt(recent[worst])}.",
-        _steps_list(st[events]),
+        "loss_spike", "warning", msg + ".", _steps_list(st[sp.events]),
         hint="Look at the batches at those steps (bad/outlier data, wrong labels); lower the learning rate or "
              "clip gradients if spikes come with gradient jumps.")]
 
@@ -1590,10 +1757,15 @@ def _train_improved(run: Run, since_step: float):
     is no loss)."""
     st = steps(run)
     after = st >= since_step
-    loss = column(run, "loss")[after]
-    loss = _finite(loss)
+    loss = column(run, "loss")
+    before = _finite(loss[st <= since_step])
+    loss = _finite(loss[after])
     if len(loss) >= 4:
         a, b = _edge_median(loss, "first", 0.25, 2), _edge_median(loss, "last", 0.25, 2)
+        # From where it stood up to since_step, if lower (as many values as the quarter after): a train loss
+        # falling back from a spike after since_step is no training that went on.
+        k = max(2, int(math.ceil(0.25 * len(loss))))
+        a = min(a, float(np.median(before[-k:]))) if len(before) else a
         return a - b >= 0.1 * abs(a), f"train loss fell from {_fmt(a)} to {_fmt(b)}"
     key = train_accuracy_key(run)   # only where the loop passed no loss
     if key:
@@ -1833,6 +2005,7 @@ def check_class_imbalance(run: Run) -> list:
         reasons.append(f"train batches are {', '.join(f'class {c}: {v:.1%}' for c, v in zip(labels, shares))} "
                        f"over {batches} batches (balanced would be {expected:.1%} each)")
     h = holdout_data(run)
+    apart = None
     if h and h.kind == "classification" and h.labels is not None and len(h.labels) >= 20:
         for c, share in zip(labels, shares):
             try:
@@ -1840,14 +2013,18 @@ def check_class_imbalance(run: Run) -> list:
             except ValueError:
                 continue
             if abs(share - hs) > max(0.15, 3 * _sigma(hs, len(h.labels))):
-                reasons.append(f"class {c} is {share:.1%} of train batches but {hs:.1%} of the holdout")
+                apart = f"class {c} is {share:.1%} of train batches but {hs:.1%} of the holdout"
                 break
+    if apart:
+        reasons.append(apart)
     if not reasons:
         return []
+    # Only train shares far from the holdout's make the holdout look worse as the model learns them; an
+    # imbalance the holdout shares says nothing about why the holdout is at chance or rising.
     return [Finding(
         "class_imbalance", "warning", "; ".join(reasons) + ".", _steps_list([st[0], st[-1]]),
         hint="Rebalance with a WeightedRandomSampler or class weights in the loss, or check the sampler; make sure "
-             "train and holdout come from the same distribution.")]
+             "train and holdout come from the same distribution.", explains_only=None if apart else ())]
 
 
 def _distinct_classes(p: np.ndarray, size: int):
@@ -2205,6 +2382,8 @@ CONSEQUENCES = {
     # learns the train shares
     "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting"),
     **dict.fromkeys(BLOWUPS, _AFTER_A_BLOWUP),
+    # layers that never get a gradient, inside a group that trains, are parameters that cannot train as well
+    "frozen_group": ("holdout_at_chance", "loss_stalled", "forgetting"),
     "dead_units": ("vanishing_gradients", "frozen_group", "loss_stalled", "holdout_at_chance", "forgetting"),
     "saturated_units": ("vanishing_gradients", "loss_stalled", "holdout_at_chance", "forgetting"),
     "vanishing_gradients": ("loss_stalled", "holdout_at_chance", "forgetting"),
@@ -2236,6 +2415,8 @@ def _rank_key(f: Finding):
 def _explains(cause: Finding, f: Finding, tolerance: float = 0) -> bool:
     code = _as_analyzer_code(f)
     if code not in CONSEQUENCES.get(cause.code, ()):
+        return False
+    if cause.explains_only is not None and code not in cause.explains_only:
         return False
     if cause.code in BLOWUPS and _onset(f) < _onset(cause) - tolerance:
         return False   # an effect does not come before its cause (seen at the collections' resolution)
@@ -3109,9 +3290,15 @@ def _finding_lines(f: Finding, indent: str = "  ") -> list:
     return lines
 
 
+def _public(items) -> dict:
+    """A finding as --json shows it: without the fields that only steer the ranking."""
+    return {k: v for k, v in items if k != "explains_only"}
+
+
 def findings_json(results) -> dict:
     def one(run, findings, summary):
-        return {"run_dir": str(run.path), "summary": summary, "findings": [asdict(f) for f in findings],
+        return {"run_dir": str(run.path), "summary": summary,
+                "findings": [asdict(f, dict_factory=_public) for f in findings],
                 "notices": run.notices}
     if len(results) == 1:
         return one(*results[0])

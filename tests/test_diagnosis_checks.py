@@ -40,11 +40,12 @@ def mlp(hidden=(64,), act=nn.ReLU, n_in=64, n_out=10):
 
 
 def train(out, data, model, steps=120, lr=0.05, opt="sgd", every=4, batch=32, groups=None, order=None,
-          labels=None, n_train=600, train_acc=True, after_optimizer=None, batch_hook=None):
+          labels=None, n_train=600, train_acc=True, after_optimizer=None, batch_hook=None, holdout=None):
     """A plain loop on the digits with telemetry: the first n_train examples train, the next 100 are the
-    holdout. `order(step, rng)` gives a batch's indices (default: a fresh shuffle each epoch), `labels`
-    replaces the train labels, `groups(model)` makes the optimizer's param groups, `after_optimizer(model)`
-    runs once the optimizer is built, `batch_hook(step, x)` may change a batch's inputs."""
+    holdout (or `holdout`, an (inputs, labels) pair). `order(step, rng)` gives a batch's indices (default: a
+    fresh shuffle each epoch), `labels` replaces the train labels, `groups(model)` makes the optimizer's param
+    groups, `after_optimizer(model)` runs once the optimizer is built, `batch_hook(step, x)` may change a
+    batch's inputs."""
     x, y = data
     y_train = (labels if labels is not None else y)[:n_train]
     torch.manual_seed(0)
@@ -55,7 +56,7 @@ def train(out, data, model, steps=120, lr=0.05, opt="sgd", every=4, batch=32, gr
     if after_optimizer:
         after_optimizer(model)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=every, holdout_size=100))
-    tel.set_holdout_data((x[n_train:n_train + 100], y[n_train:n_train + 100]))
+    tel.set_holdout_data(holdout if holdout is not None else (x[n_train:n_train + 100], y[n_train:n_train + 100]))
     per_epoch = n_train // batch
     perm = None
     for step in range(1, steps + 1):
@@ -326,3 +327,103 @@ def test_nonfinite_names_the_loss_first(tmp_path, digits):
     top, _ = first_loud(train(tmp_path / "r", digits, mlp(), batch_hook=nan_once, steps=80))
     assert top.code == "nonfinite" and "in loss;" in top.message
     assert "holdout_at_chance" in {c.code for c in top.consequences}
+
+
+def test_an_imbalance_the_holdout_shares_explains_nothing_about_the_holdout(tmp_path, digits):
+    """Classes 5-9 at a quarter of their share in train batches and in the holdout alike: the imbalance is
+    real, but a holdout at chance (its labels shuffled) and its rising loss are not its doing, so they stand
+    as their own root. Train batches of classes 0-2 against a holdout of all ten: the holdout's rising
+    loss is the imbalance's."""
+    x, y = digits
+    keep = (y < 5).numpy() | (np.random.RandomState(3).rand(len(y)) < 0.25)
+    pool = np.flatnonzero(keep[:600])
+    rest = np.flatnonzero(keep[600:])[:100] + 600
+    shuffled = y[rest][torch.from_numpy(np.random.RandomState(9).permutation(len(rest)))]
+    path = train(tmp_path / "same", digits, mlp(), order=lambda step, rng: rng.choice(pool, 32), opt="adam", lr=3e-3,
+                 holdout=(x[rest], shuffled))
+    _, found = diagnosis(path)
+    top = {f.code: f for f in found}
+    assert top["class_imbalance"].severity == "warning" and not top["class_imbalance"].consequences
+    assert "of the holdout" not in top["class_imbalance"].message
+    assert top["holdout_at_chance"].severity == "critical"
+    assert "overfitting" in {c.code for c in top["holdout_at_chance"].consequences}
+    json_finding = at.findings_json([(at.load_run(path, progress=False), found, {})])["findings"][0]
+    assert "explains_only" not in json_finding
+
+    few = np.flatnonzero(y[:600].numpy() < 3)
+    path = train(tmp_path / "apart", digits, mlp(), order=lambda step, rng: rng.choice(few, 32), opt="adam", lr=3e-3)
+    top, _ = first_loud(path)
+    assert top.code == "class_imbalance" and "of the holdout" in top.message
+    assert {"overfitting"} <= {c.code for c in top.consequences}, [(f.code, f.message) for f in found]
+
+
+class Detached(nn.Module):
+    """A backbone and a head in one optimizer group, the backbone's output detached before the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.backbone(x).detach())
+
+
+class TakingTurns(nn.Module):
+    """Two heads on one backbone, trained on alternate batches (two tasks): each head has no gradient on
+    every other step."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+        self.heads = nn.ModuleList([nn.Linear(64, 10), nn.Linear(64, 10)])
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return self.heads[self.calls % 2 if self.training else 0](self.backbone(x))
+
+
+def test_a_detached_backbone_that_never_gets_a_gradient(tmp_path, digits):
+    model = Detached()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = train(tmp_path / "r", digits, model, opt="adam", lr=1e-2, steps=80)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items() if k.startswith("backbone"))
+    top, _ = first_loud(path)
+    records = [json.loads(line) for line in (path / "telemetry.jsonl").read_text().splitlines()]
+    assert (top.code, top.severity) == ("frozen_group", "critical")
+    assert f"2 layer(s) (backbone.0, backbone.2) got no gradient at all (null in the gradient profile) in all " \
+           f"{len(records)} collections" in top.message and "detach()" in top.hint
+    # heads that take turns have no gradient on every other step only: no finding
+    path = train(tmp_path / "turns", digits, TakingTurns(), opt="adam", lr=1e-3, steps=60, every=3)
+    nulls = [r["grad_profile"]["heads.1"] is None for r in json.loads(
+        "[" + ",".join((path / "telemetry.jsonl").read_text().splitlines()) + "]")]
+    assert any(nulls) and not all(nulls)
+    _, found = diagnosis(path)
+    assert "frozen_group" not in everything(found), [(f.code, f.message) for f in found]
+    # collected at every even step, one head is never seen with a gradient: still no finding, since the
+    # records cannot tell it from a head the loss never reaches (only the input side counts)
+    path = train(tmp_path / "even", digits, TakingTurns(), opt="adam", lr=1e-3, steps=60, every=2)
+    assert all(json.loads(line)["grad_profile"]["heads.1"] is None
+               for line in (path / "telemetry.jsonl").read_text().splitlines())
+    _, found = diagnosis(path)
+    assert "frozen_group" not in everything(found), [(f.code, f.message) for f in found]
+
+
+def test_a_bad_batch_that_ruins_the_weights_is_not_a_learning_rate_too_high(tmp_path, digits):
+    """One batch of inputs x50 under SGD with momentum: the loss spikes at that batch and never comes back (the
+    ReLUs die). The batch is the cause, listed first with the gradient jump under it; not a divergence, not
+    a loss stalled from the start, not overfitting (the train loss rose too)."""
+    path = train(tmp_path / "r", digits, mlp(hidden=(64, 64)), lr=0.05, every=1, steps=108,
+                 batch_hook=lambda step, x: x * 50 if step == 61 else x)
+    top, found = first_loud(path)
+    assert top.code == "loss_spike" and 61 in top.steps, [(f.code, f.message) for f in found]
+    assert "The batch of step 61 was bad, not the weights" in top.message
+    assert "did not come back" in top.message
+    assert "exploding_gradients" in {c.code for c in top.consequences}
+    codes = everything(found)
+    assert not {"loss_diverging", "loss_stalled", "overfitting"} & set(codes), [(f.code, f.message) for f in found]
+    # the same run without the bad batch is quiet
+    _, found = diagnosis(train(tmp_path / "clean", digits, mlp(hidden=(64, 64)), lr=0.05, every=1, steps=108))
+    assert not loud(found), [(f.code, f.message) for f in loud(found)]
