@@ -905,12 +905,30 @@ def _spread_rank(path: str) -> int:
     return len(NONFINITE_ORDER) + (head == "custom")
 
 
+def _scaler_skipped(r: dict) -> bool:
+    return isinstance(r.get("grad_scaler"), dict) and r["grad_scaler"].get("skipped") is True
+
+
+def _skipping_persists(run: Run) -> bool:
+    """Whether the GradScaler skipped most steps from its first skip on, or the last three collected: then no
+    scale it backs off to gets finite gradients, and the run is not training. A skip now and then is the
+    scaler finding its scale, and nothing to report."""
+    skipped = [_scaler_skipped(r) for r in run.records]
+    if not any(skipped):
+        return False
+    after = skipped[skipped.index(True):]
+    return 2 * sum(after) > len(after) >= 4 or (len(skipped) >= 3 and all(skipped[-3:]))
+
+
 def check_nonfinite(run: Run) -> list:
     first, counts, affected = {}, {}, 0
+    routine = not _skipping_persists(run)
     for r in run.records:
         paths = r.get("nonfinite") if isinstance(r.get("nonfinite"), list) else []
         params = r.get("nonfinite_params") if isinstance(r.get("nonfinite_params"), list) else []
         paths = [_text(p) for p in paths] + [f"parameter {_text(p)}" for p in params]
+        if routine and _scaler_skipped(r):  # the scaler saw these gradients and skipped the step
+            paths = [p for p in paths if "grad" not in p and not p.startswith("parameter ")]
         if paths:
             affected += 1
         for p in paths:
@@ -928,9 +946,15 @@ def check_nonfinite(run: Run) -> list:
     msg = (f"NaN/Inf first at step {first[head]} in {head}"
            + (f"; also {others}{more}" if others else "")
            + f". {affected} of {len(run.records)} records hold non-finite values.")
-    return [Finding("nonfinite", "critical", msg, _steps_list(first[p] for p in order), group=group,
-                    hint="Lower the learning rate or warm it up, clip gradients (clip_grad_norm_), check the "
-                         "inputs/labels of the first bad batch, and with fp16 use a GradScaler (or bf16).")]
+    hint = ("Lower the learning rate or warm it up, clip gradients (clip_grad_norm_), check the inputs/labels of "
+            "the first bad batch, and with fp16 use a GradScaler (or bf16).")
+    if not routine:
+        skipped = sum(_scaler_skipped(r) for r in run.records)
+        msg += (f" The GradScaler skipped the step at {skipped} of them: its scale backs off and the gradients "
+                "stay non-finite, so the weights do not train.")
+        hint = ("Something overflows whatever the scale: check the inputs and labels of the first bad batch and "
+                "the loss in fp16 (compute it in float32), lower the learning rate, or train in bf16.")
+    return [Finding("nonfinite", "critical", msg, _steps_list(first[p] for p in order), group=group, hint=hint)]
 
 
 def check_missing_gradients(run: Run) -> list:
@@ -2343,7 +2367,8 @@ FINDINGS = {
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),
     "class_imbalance": (("warning",), "analyzer", "the batches' label shares are far from even, or from the "
                         "holdout's"),
-    "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights"),
+    "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights (the gradients of steps a "
+                                         "GradScaler skipped only when it skips most)"),
     "loss_diverging": (("warning",), "analyzer", "the training loss grows over the run"),
     "loss_spike": (("warning",), "both", "the loss jumps far outside its rolling noise band"),
     "exploding_gradients": (("warning",), "analyzer", "the gradient norm jumps to many times its median"),

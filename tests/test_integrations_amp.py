@@ -105,3 +105,31 @@ def test_skipped_steps_and_scale(tmp_path):
     assert skipped == 3 and records[-1]["grad_scaler"]["scale"] == 2.0 ** 13
     # A skipped step's gradients hold inf: recorded as null and listed, never as a number.
     assert records[1]["gradient_norm"]["overall"] is None and "gradient_norm.overall" in records[1]["nonfinite"]
+
+
+def test_the_analyzer_passes_over_routine_skips_and_names_a_scaler_that_skips_every_step(tmp_path):
+    """Two overflowing steps out of 40 are the scaler finding its scale: no finding. Overflowing at every step
+    from step 20 on, whatever the scale backs off to, is a run that stopped training: a critical nonfinite
+    that says the scaler skipped them."""
+    at = pytest.importorskip("analyze_telemetry", reason="the analyzer needs numpy")
+
+    def run(out, overflows):
+        model, optimizer, scaler, telemetry = setup(out, alerts=True)
+        for step in range(40):
+            optimizer.zero_grad()
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 5, generator=g), torch.randint(0, 2, (8,), generator=g)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss * (math.inf if step in overflows else 1.0)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            telemetry.on_batch_end(model, optimizer, step, 0, loss=loss)
+        telemetry.close()
+        found = at.diagnose(at.load_run(out, progress=False))
+        return found + [c for f in found for c in f.consequences]
+
+    routine = run(tmp_path / "routine", {5, 17})
+    assert not [f for f in routine if f.severity in ("critical", "warning")], [(f.code, f.message) for f in routine]
+    stuck = [f for f in run(tmp_path / "stuck", set(range(20, 40))) if f.code == "nonfinite"]
+    assert len(stuck) == 1 and stuck[0].severity == "critical"
+    assert "The GradScaler skipped the step at 20 of them" in stuck[0].message
