@@ -2549,15 +2549,19 @@ def summarize(run: Run, findings: list = None) -> dict:
 
 
 def group_rates(run: Run) -> list:
-    """Per parameter group (two or more): its last learning rate and its median update ratio ||dW||/||W||,
-    each also as a multiple of the smallest group's, so that a differential learning rate shows whether it
+    """Per parameter group (two or more): its last learning rate and its median update ratio ||dW||/||W||
+    where it had a gradient, each also as a multiple of the smallest group's, so that a differential learning rate shows whether it
     took effect (is the head really moving at 10x?). Groups outside the optimizer are left out."""
     groups = [g for g in _groups(run, "learning_rates") if not _outside_optimizer(run, g)]
     if len(groups) < 2:
         return []
     rows = []
     for g in groups:
-        lr, ur = _finite(column(run, ("learning_rates", g))), _finite(column(run, ("update_ratio", g))[1:])
+        lr, ur = _finite(column(run, ("learning_rates", g))), column(run, ("update_ratio", g))[1:]
+        # Over the collections where the group had a gradient: a head of a multi-task loop, trained on every
+        # other batch, is still at the other steps, and its median would read 0.
+        grad = column(run, ("gradient_norm", g))[1:]
+        ur = _finite(ur[grad > 0] if (grad > 0).any() else ur)
         rows.append({"group": g, "lr": float(lr[-1]) if len(lr) else None,
                      "update_ratio": float(np.median(ur)) if len(ur) else None})
     for key in ("lr", "update_ratio"):

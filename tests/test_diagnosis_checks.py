@@ -411,6 +411,21 @@ def test_a_detached_backbone_that_never_gets_a_gradient(tmp_path, digits):
     assert "frozen_group" not in everything(found), [(f.code, f.message) for f in found]
 
 
+def test_heads_taking_turns_show_the_update_ratio_of_their_own_steps(tmp_path, digits):
+    """Each head of a two-task loop moves at every other step: the summary's update ratio per group is that of
+    the steps where the group had a gradient, not a median half made of its idle steps' zeros."""
+    def groups(m):
+        return [{"params": m.backbone.parameters(), "name": "backbone"},
+                {"params": m.heads[0].parameters(), "name": "head0"},
+                {"params": m.heads[1].parameters(), "name": "head1"}]
+    path = train(tmp_path / "r", digits, TakingTurns(), opt="sgd", lr=0.05, steps=40, every=1, groups=groups)
+    rates = {r["group"]: r["update_ratio"] for r in at.group_rates(at.load_run(path, progress=False))}
+    records = [json.loads(line) for line in (path / "telemetry.jsonl").read_text().splitlines()]
+    for head in ("head0", "head1"):
+        moved = [r["update_ratio"][head] for r in records[1:] if r["gradient_norm"][head] is not None]
+        assert 0 < min(moved) and rates[head] == pytest.approx(float(np.median(moved)))
+
+
 def test_a_bad_batch_that_ruins_the_weights_is_not_a_learning_rate_too_high(tmp_path, digits):
     """One batch of inputs x50 under SGD with momentum: the loss spikes at that batch and never comes back (the
     ReLUs die). The batch is the cause, listed first with the gradient jump under it; not a divergence, not
