@@ -100,9 +100,10 @@ _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def resolve_run_dir(path) -> Path:
-    """Accept the run directory or the telemetry.jsonl inside it."""
+    """Accept the run directory or the telemetry.jsonl inside it (another file is no run directory, and is
+    named as such, not taken for the directory it is in)."""
     p = Path(path)
-    return p.parent if p.name == RECORD_FILE or p.is_file() else p
+    return p.parent if p.name == RECORD_FILE else p
 
 
 def new_run(path) -> Run:
@@ -3740,6 +3741,14 @@ def watch(runs, args, want_plots) -> int:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (analyze_telemetry.py run | head): no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at the exit's flush of stdout
+        return 1
+
+
+def _main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if isinstance(np, _Missing):
         print(f"analyze_telemetry needs numpy: {INSTALL_HINT}", file=sys.stderr)

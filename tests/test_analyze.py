@@ -492,6 +492,22 @@ def test_check_exit_codes(tmp_path):
     assert not (healthy / "analysis").exists()   # --check alone writes no plots
     missing = subprocess.run([PY, script, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    # a file that is not telemetry.jsonl is named, not taken for the directory it sits in
+    (tmp_path / "notes.txt").write_text("x")
+    other = subprocess.run([PY, script, str(tmp_path / "notes.txt")], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 2 and "notes.txt is not a run directory" in other.stderr
+
+
+def test_a_reader_that_goes_away_gets_no_traceback(tmp_path):
+    """analyze_telemetry.py run... | head: the pipe closes after the first lines, and the rest is dropped
+    quietly, as other command-line tools do."""
+    runs = [str(write_run(tmp_path / f"r{k}", healthy_records(seed=k))) for k in range(40)]
+    proc = subprocess.Popen([PY, str(ROOT / "analyze_telemetry.py"), *runs, "--no-plots"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout.read(10)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_json_output(tmp_path, capsys):
