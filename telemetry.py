@@ -1722,7 +1722,7 @@ class _FusedKernels:
             self.busy.release()
 
     def _compile_wanted(self) -> None:
-        with self.busy:
+        with self.busy, _global_rng_left_alone():
             while self.wanted:
                 key = self.wanted[0]
                 try:
@@ -1741,6 +1741,33 @@ class _FusedKernels:
                 self.kernels[key] = "the process forked while the kernel was compiled"
             self.compiling = False
         self.wanted = []
+
+
+@contextlib.contextmanager
+def _global_rng_left_alone():
+    """While a compile runs on this thread, setting torch's global RNG state (CPU, CUDA) does nothing when this
+    thread does it. torch.compile puts the state back as it found it when it began tracing (dynamo keeps the
+    global state unchanged across a compile): from a background thread that rewinds every draw the training
+    loop made meanwhile, and replays its dropout masks and shuffles. Calls from other threads go through, and
+    reading the state (which the compiler does too) is left as it is."""
+    me = threading.current_thread()
+
+    def on_other_threads(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return None if threading.current_thread() is me else fn(*args, **kwargs)
+        return call
+
+    saved = [(module, "set_rng_state", module.set_rng_state) for module in (torch, torch.random, torch.cuda,
+                                                                            getattr(torch, "xpu", None))
+             if hasattr(module, "set_rng_state")]
+    for module, name, fn in saved:
+        setattr(module, name, on_other_threads(fn))
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def _compile_change_kernel(device: str, dtype: torch.dtype, detail: bool, thresholds: int,

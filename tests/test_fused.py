@@ -241,3 +241,24 @@ def test_kept_maps_show_rewrites_in_place_and_map_a_new_layout_afresh(tmp_path):
         write(value, names=("a", "c"))
     other, _ = maps.map(path, ["a", "c"])
     assert other is not first and torch.equal(other[1], torch.full((1000,), 6.0))
+
+
+def test_a_background_compile_leaves_the_loops_random_numbers_alone(monkeypatch):
+    """torch.compile puts the global RNG state back as it found it when it began tracing: from the compile
+    thread, that would rewind the draws the training loop makes meanwhile (its dropout masks, its shuffles).
+    A real compile runs here while this thread draws, and every draw is the seed's next one."""
+    monkeypatch.setenv("TELEMETRY_COMPILE", "1")
+    fused = telemetry._FusedKernels()
+    key = ("cpu", torch.bfloat16, False, 0, 0)
+    assert fused.ready(key) is None and fused.wanted == [key]
+    torch.manual_seed(1234)
+    fused.start()
+    draws = []
+    while fused.compiling:
+        draws.append(torch.rand(1).item())
+        time.sleep(0.002)
+    draws += [torch.rand(1).item() for _ in range(10)]
+    assert callable(fused.kernels[key]), fused.kernels[key]
+    gen = torch.Generator().manual_seed(1234)
+    assert draws == [torch.rand(1, generator=gen).item() for _ in draws]
+    assert not hasattr(torch.random.set_rng_state, "__wrapped__")  # torch's own function again
