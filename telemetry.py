@@ -146,6 +146,8 @@ def _matches_type(value: Any, hint: Any) -> bool:
 
 
 def _check_writable_dir(name: str, path: str) -> None:
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"{name}: {path!r} is a symbolic link to nothing ({os.readlink(path)!r})")
     # Walk up to the nearest existing ancestor: the directory itself is only created when telemetry starts.
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
@@ -1326,7 +1328,8 @@ def tensor_file_header(named: List[tuple], metadata: Optional[Dict[str, str]] = 
 def _open_spare(spare: str, size: int) -> Any:
     """The spare copy opened for rewriting in place, when it is a regular file of exactly `size` bytes."""
     try:
-        if os.lstat(spare).st_size != size:
+        st = os.lstat(spare)
+        if st.st_size != size or st.st_nlink != 1:  # another name for it (a user's hard link) keeps it as it is
             return None
         return open_regular(spare, write=True)
     except OSError:
@@ -2521,6 +2524,16 @@ def resolve_output_dir(template: str) -> str:
                          f"({exc!r})") from None
 
 
+def _run_model(directory: str) -> Optional[str]:
+    """The model fingerprint that the run in `directory` recorded in its run.json, if it can be read."""
+    try:
+        with open_regular(os.path.join(directory, RUN_FILE)) as f:
+            info = json.loads(f.read().decode("utf-8"))
+        return info.get("model") if isinstance(info, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """The model's parameter names, shapes and dtypes, hashed: a resumed run has the same, another model not."""
     digest = hashlib.sha256()
@@ -2530,6 +2543,34 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 # ---- the run directory ---------------------------------------------------------------------------
+
+
+_LOCK_FDS: set = set()  # descriptors of the directory locks this process holds
+
+
+def _release_lock(fd: int) -> None:
+    _LOCK_FDS.discard(fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, say): let go of the parent's directory locks, which the child's
+    copies of their descriptors would otherwise hold on to after the parent's close(). Each number is
+    pointed at /dev/null rather than closed, so that what the child's copy of a finalizer closes later is
+    never another file that took the number."""
+    if not _LOCK_FDS:
+        return
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.dup2(null, fd)
+    os.close(null)
+    _LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class _RunFiles:
@@ -2575,7 +2616,7 @@ class _RunFiles:
         self.info["starts"].append(datetime.datetime.now().isoformat())
         self.start_index = len(self.info["starts"]) - 1
         self.info.update(schema=SCHEMA_VERSION, torch_version=torch.__version__, config=dataclasses.asdict(config))
-        self.write_info()
+        self.write(self.write_info)  # a full disk: one warning, and telemetry is off
         return step
 
     def abandon(self) -> None:
@@ -2685,9 +2726,14 @@ class _RunFiles:
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 data = b"\n" + data  # a torn last line from a crash stays on its own line
             self.fd = fd
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
+        start, view = os.fstat(self.fd).st_size, memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError:  # a full disk took part of the line: cut it off again, no torn record is left
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, start)
+            raise
 
     def _lock(self) -> None:
         """Hold an OS lock on telemetry.lock while this instance is open: a second writer would measure
@@ -2705,9 +2751,11 @@ class _RunFiles:
                 f"output_dir {self.output_dir!r} is in use by another TrainingTelemetry (process {holder}): two "
                 "writers would measure deltas against each other's weights. close() the other one, or give "
                 "this run its own output_dir, e.g. output_dir='runs/{date}_{host}'") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.lock = weakref.finalize(self, os.close, fd)
+        _LOCK_FDS.add(fd)
+        self.lock = weakref.finalize(self, _release_lock, fd)
+        with contextlib.suppress(OSError):  # the pid only names the holder to a refused second writer
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
     def _set_aside_strangers(self) -> None:
         """Anything but a regular file where telemetry keeps its files (a FIFO would hang open(), a link
@@ -4290,6 +4338,7 @@ class TrainingTelemetry:
         self._ranks_key: Any = None
         self._off = False  # the ranks disagree: telemetry is off on every rank
         self._silent_warn_step = 10 * config.collect_every_n  # warn if nothing was collected by then
+        self._closed = False
         self._hf_callback = None
         self._files: Optional[_RunFiles] = None
         self._reference: Optional[_ReferenceStore] = None
@@ -4344,6 +4393,9 @@ class TrainingTelemetry:
         """
         if not self.config.enabled:
             return None
+        if self._closed:  # its directory and lock are let go: another TrainingTelemetry may write there now
+            self._warn("closed", "telemetry: on_batch_end was called after close(); nothing is recorded")
+            return None
         if device is not None and not isinstance(device, (str, int, torch.device)):
             raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; the arguments are (model, "
                             "optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars): pass the "
@@ -4369,7 +4421,7 @@ class TrainingTelemetry:
         if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_ddp(model), optimizer)
         if not self._schedule.take_due(batch_idx) or not self._active():
-            if 0 < self._silent_warn_step <= self.step:
+            if 0 < self._silent_warn_step <= self.step and self._active():
                 self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx never reached a "
                                      f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
                                      "than that restart batch_idx before it gets there; lower collect_every_n.")
@@ -4446,9 +4498,12 @@ class TrainingTelemetry:
         return self._hf_callback
 
     def close(self) -> None:
+        self._closed = True
         if self._files is not None:
             self._files.close(self.step)
             self._files.mirrors.close()
+        if self._reference is not None:
+            self._reference.maps.kept.clear()  # the maps of the reference files go with their last views
 
     def __enter__(self) -> "TrainingTelemetry":
         return self
@@ -4459,7 +4514,7 @@ class TrainingTelemetry:
     # ---- for the HF callback ------------------------------------------------------------------------
 
     def _active(self) -> bool:
-        return self._files is not None and not self._files.stopped and not self._off
+        return self._files is not None and not self._files.stopped and not self._off and not self._closed
 
     def _collect_held(self, model, optimizer, global_step: int, epoch: int, batch: Any, loss: Any):
         """on_batch_end for optimizer step global_step + 1, its record held back until _release_held()."""
@@ -4583,7 +4638,7 @@ class TrainingTelemetry:
         if self._layout is None or self._layout.key != _layout_key(model, optimizer):
             fingerprint = model_fingerprint(model)
             if self._layout is None and self._files.resumed and self._files.info.get("model") not in (None, fingerprint):
-                self._move_on()
+                self._move_on(fingerprint)
             self._layout, partitions = build_layout(model, optimizer, self.config)
             self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
             if self._layout.outside:
@@ -4595,17 +4650,19 @@ class TrainingTelemetry:
                                       "If another optimizer trains them, pass every optimizer, as a list.")
         return self._layout
 
-    def _move_on(self) -> None:
-        """Another model's run is in output_dir: this run goes to a directory of its own, never mixed in."""
+    def _move_on(self, fingerprint: str) -> None:
+        """Another model's run is in output_dir: this run goes to a directory of its own, never mixed in: the
+        first output_dir-N that holds this model's run (it resumes there), else the first free one."""
         old, n = self.output_dir, 2
-        while os.path.lexists(f"{old}-{n}"):
+        while os.path.lexists(f"{old}-{n}") and _run_model(f"{old}-{n}") != fingerprint:
             n += 1
         self._files.abandon()
         taken = self.step - self._start_step  # this run's steps so far: they count in the new directory too
         self._open(f"{old}-{n}")
         self.step += taken
         self._warn("other-model", f"telemetry: {old} holds the run of another model (other parameter names or "
-                                  f"shapes); this run writes to {self.output_dir} instead")
+                                  f"shapes); this run {'resumes in' if self._files.resumed else 'writes to'} "
+                                  f"{self.output_dir} instead")
 
     def _take_part(self, model: torch.nn.Module, layout: Optional[_Layout], agree: bool = True) -> bool:
         """Find how the parameters are held (once per layout and process group); True when this rank

@@ -524,8 +524,50 @@ def test_a_second_writer_is_refused_and_the_first_measures_right(tmp_path):
             true = math.sqrt(sum(float((a.double() - b.double()).square().sum())
                                  for a, b in zip(weights[step], weights[step - 1])))
             assert rec["weight_delta"]["overall"] == pytest.approx(true, rel=1e-5)
-    first.close()
-    TrainingTelemetry(TelemetryConfig(output_dir=str(run))).close()  # free again once closed
+    # A forked child (a DataLoader worker) does not keep the lock once the parent closes.
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(w)
+        os.read(r, 1)  # alive until the parent has tried
+        os._exit(0)
+    try:
+        first.close()
+        with pytest.warns(RuntimeWarning, match="called after close"):
+            assert first.on_batch_end(model, optimizer, 5, 0) is None  # nothing written: the lock is let go
+        second = TrainingTelemetry(TelemetryConfig(output_dir=str(run)))  # free again once closed
+        second.close()
+    finally:
+        os.close(w)
+        os.waitpid(child, 0)
+    assert [rec["step"] for rec in read_lines(run)] == [1, 2, 3, 4]
+
+
+@needs_rlimit
+def test_a_full_disk_at_construction_warns_and_training_goes_on(tmp_path):
+    """Nothing fits, not even the lock file's pid: the constructor warns and turns telemetry off rather than
+    raise into the training script, and the directory is free for another try once the space is back."""
+    got = run_script("""
+        run = os.path.join(sys.argv[1], "run")
+        model, optimizer = model_and_optimizer()
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        full_disk(0)
+        with warnings.catch_warnings(record=True) as caught:
+            tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1))
+            for i in range(3):
+                step(model, optimizer, i)
+                tel.on_batch_end(model, optimizer, i, 0)
+            tel.close()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        again = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1))
+        step(model, optimizer, 3)
+        record = again.on_batch_end(model, optimizer, 0, 0)
+        again.close()
+        print(json.dumps({"warnings": [str(w.message) for w in caught], "step": record["step"]}))
+    """, tmp_path)
+    assert len([w for w in got["warnings"] if "cannot write" in w]) == 1, got["warnings"]
+    assert not [w for w in got["warnings"] if "nothing collected" in w]
+    assert got["step"] == 1
 
 
 # ---- nothing reaches the loop ------------------------------------------------------------------------------
@@ -575,3 +617,75 @@ def test_the_rng_is_restored_around_custom_metrics(tmp_path):
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+@needs_rlimit
+def test_a_record_cut_short_by_a_full_disk_leaves_no_torn_line(tmp_path):
+    """The disk fills in the middle of a record's line: what was written of it is cut off again, so the file
+    still ends with the last whole record, and a resume finds no damaged line to name."""
+    got = run_script("""
+        run = os.path.join(sys.argv[1], "run")
+        model, optimizer = model_and_optimizer()
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1))
+        for i in range(8):
+            step(model, optimizer, i)
+            tel.on_batch_end(model, optimizer, i, 0)
+        records = os.path.join(run, "telemetry.jsonl")
+        size = os.path.getsize(records)
+        full_disk(size + size // 16)  # room for half a record's line, and the reference is rewritten in place
+        with warnings.catch_warnings(record=True) as caught:
+            for i in range(8, 11):
+                step(model, optimizer, i)
+                tel.on_batch_end(model, optimizer, i, 0)
+        tel.close()
+        raw = open(records, "rb").read()
+        print(json.dumps({"before": size, "after": len(raw), "steps": [json.loads(l)["step"] for l in raw.splitlines()],
+                          "warnings": [str(w.message) for w in caught]}))
+    """, tmp_path)
+    assert got["after"] == got["before"] and got["steps"] == list(range(1, 9))
+    assert [w for w in got["warnings"] if "cannot write" in w], got["warnings"]
+
+
+def test_a_hard_link_to_a_reference_keeps_what_it_held(tmp_path):
+    """A user keeps the reference of step 2 under another name (ln): the spare that the rewrites reuse in place
+    is then not rewritten through it, and the kept file still holds step 2 later."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False))
+    for step in range(1, 7):
+        train_step(model, optimizer, step)
+        tel.on_batch_end(model, optimizer, step, 0)
+        if step == 2:
+            os.link(run / "last_checkpoint.safetensors", tmp_path / "kept.safetensors")
+            kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tel.close()
+    loaded = load_file(str(tmp_path / "kept.safetensors"))
+    assert all(torch.equal(loaded[n], kept[n]) for n in kept)
+
+
+def test_an_output_dir_that_is_a_dangling_link_is_named(tmp_path):
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    with pytest.raises(ValueError, match=r"output_dir: .*dangling' is a symbolic link to nothing"):
+        TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "dangling")))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's maps from /proc")
+def test_close_lets_go_of_the_reference_files(tmp_path):
+    """After close() no map or descriptor of the run's files stays open (a filesystem could not be unmounted)."""
+    import gc
+
+    run = tmp_path / "run"
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False))
+    for step in range(1, 4):
+        train_step(model, optimizer, step)
+        tel.on_batch_end(model, optimizer, step, 0)
+    assert str(run) in open("/proc/self/maps").read()
+    tel.close()
+    gc.collect()
+    assert str(run) not in open("/proc/self/maps").read()
+    assert not [fd for fd in os.listdir("/proc/self/fd") if str(run) in os.path.realpath(f"/proc/self/fd/{fd}")]

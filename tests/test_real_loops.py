@@ -563,6 +563,11 @@ def test_telemetry_py_copied_alone_into_a_project_and_run_twice(tmp_path):
     assert len(read(run)) == len(records) and read(run + "-2")[0]["start"] == 0
     # The moved run counts its own steps, from 1, as the first run did with the same loop.
     assert [r["step"] for r in read(run + "-2")] == [r["step"] for r in first]
+    # Run again, it resumes there: never a new directory per start.
+    again = run_user_script(project, run, "48")
+    assert again.stdout.strip().endswith("exp1-2") and "resumes in" in again.stderr
+    steps = [r["step"] for r in read(run + "-2")]
+    assert len(steps) == 2 * len(first) and steps == sorted(set(steps)) and not os.path.exists(run + "-3")
 
 
 def test_auto_named_run_directories(tmp_path):
