@@ -1673,19 +1673,23 @@ class _FusedKernels:
     Triton on a GPU): each chunk of the weights and of both files is read once and no difference is
     written out, where eager torch writes each difference and reads it back.
 
-    Compiled once per process, on a background thread that a collection starts when it ends, so that no
-    collection waits for the compiler: until a kernel is ready the eager ops serve, and a compile that fails
-    leaves them in place for good (the failure is kept for one warning). TELEMETRY_COMPILE=0 turns this off.
+    Only with TELEMETRY_COMPILE=1 in the environment. Compiled once per process, at the end of the first
+    collection that asks for a kernel, which waits for it (seconds to tens of seconds): never on a thread
+    beside the training, since torch's tracer patches nn.Module.__call__ process-wide while it traces, and
+    a forward that the loop runs meanwhile then fails inside the tracer; and torch.compile puts the global
+    RNG state back as it found it, which would replay the loop's draws made meanwhile. Until a kernel is
+    ready the eager ops serve, and a compile that fails leaves them in place for good (the failure is kept
+    for one warning).
     The kernels are compiled ahead of time (aot_compile): a call never compiles, and an input they were not
     compiled for fails their guards and goes to the eager ops. So neither dynamo's frame hook nor its
     compile lock is involved when a pass calls them, whatever the user's own torch.compile does. A forked
-    child keeps the kernels that were ready; one that forked during a compile stays eager.
+    child keeps the kernels that were ready.
     """
 
     def __init__(self):
         self.kernels: Dict[tuple, Any] = {}  # key -> the compiled callable, or the message of its failure
         self.wanted: List[tuple] = []
-        self.busy = threading.Lock()  # the compile thread holds it; a pass calls kernels only when it is free
+        self.busy = threading.Lock()  # held while compiling; a pass calls kernels only when it is free
         self.compiling = False
         self.pid = os.getpid()
 
@@ -1697,7 +1701,7 @@ class _FusedKernels:
         """The compiled kernel for `key`, or None (then it is compiled after this collection, if it can be)."""
         self._adopt_fork()
         kernel = self.kernels.get(key)
-        if kernel is None and key not in self.wanted and os.environ.get("TELEMETRY_COMPILE", "1") != "0":
+        if kernel is None and key not in self.wanted and os.environ.get("TELEMETRY_COMPILE") == "1":
             self.wanted.append(key)
         return kernel if callable(kernel) else None
 
@@ -1706,12 +1710,12 @@ class _FusedKernels:
         return next((kernel for kernel in self.kernels.values() if isinstance(kernel, str)), None)
 
     def start(self) -> None:
-        """Compile what passes asked for, on a background thread (one at a time, never in a collection)."""
+        """Compile what passes asked for, now: on the caller's thread, at the end of a collection."""
         self._adopt_fork()
         if not self.wanted or self.compiling:
             return
         self.compiling = True
-        threading.Thread(target=self._compile_wanted, name="telemetry-compile", daemon=True).start()
+        self._compile_wanted()
 
     @contextlib.contextmanager
     def free(self):
@@ -1725,7 +1729,7 @@ class _FusedKernels:
             self.busy.release()
 
     def _compile_wanted(self) -> None:
-        with self.busy, _global_rng_left_alone():
+        with self.busy, _rng_kept():  # whatever the compiler draws leaves no trace in the loop's generators
             while self.wanted:
                 key = self.wanted[0]
                 try:
@@ -1739,38 +1743,11 @@ class _FusedKernels:
         if self.pid == os.getpid():
             return
         self.pid, self.busy = os.getpid(), threading.Lock()
-        if self.compiling:  # the thread that compiled is not in this process
+        if self.compiling:  # forked by another thread during a compile: the compiling one is not in this process
             for key in self.wanted:
                 self.kernels[key] = "the process forked while the kernel was compiled"
             self.compiling = False
         self.wanted = []
-
-
-@contextlib.contextmanager
-def _global_rng_left_alone():
-    """While a compile runs on this thread, setting torch's global RNG state (CPU, CUDA) does nothing when this
-    thread does it. torch.compile puts the state back as it found it when it began tracing (dynamo keeps the
-    global state unchanged across a compile): from a background thread that rewinds every draw the training
-    loop made meanwhile, and replays its dropout masks and shuffles. Calls from other threads go through, and
-    reading the state (which the compiler does too) is left as it is."""
-    me = threading.current_thread()
-
-    def on_other_threads(fn):
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            return None if threading.current_thread() is me else fn(*args, **kwargs)
-        return call
-
-    saved = [(module, "set_rng_state", module.set_rng_state) for module in (torch, torch.random, torch.cuda,
-                                                                            getattr(torch, "xpu", None))
-             if hasattr(module, "set_rng_state")]
-    for module, name, fn in saved:
-        setattr(module, name, on_other_threads(fn))
-    try:
-        yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
 
 
 def _compile_change_kernel(device: str, dtype: torch.dtype, detail: bool, thresholds: int,
@@ -4581,12 +4558,13 @@ class TrainingTelemetry:
         return record
 
     def _after_collection(self) -> None:
-        """Start compiling the fused kernels this collection asked for: now, so that no collection waits."""
+        """Compile the fused kernels this collection asked for (TELEMETRY_COMPILE=1), now, at its end: the one
+        collection of the process that waits for the compiler."""
         _FUSED.start()
         failure = _FUSED.failure()
         if failure is not None:
             self._warn("compile", f"telemetry: the fused weight-pass kernel could not be compiled ({failure}); "
-                                  "the eager ops serve instead (set TELEMETRY_COMPILE=0 to skip the attempt)")
+                                  "the eager ops serve instead (unset TELEMETRY_COMPILE to skip the attempt)")
 
     def _parameter_sections(self, c: _Collection, model, optimizer, device) -> None:
         """The sections read from the parameters, in the order their data needs: the lora section reads the
