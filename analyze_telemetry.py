@@ -28,6 +28,7 @@ import argparse
 import base64
 import contextlib
 import csv
+import errno
 import gc
 import hashlib
 import html
@@ -36,6 +37,8 @@ import json
 import math
 import os
 import re
+import shutil
+import stat
 import sys
 import time
 import warnings
@@ -2641,8 +2644,14 @@ LINESTYLES = ["-", "--", ":", "-."]
 
 
 def _label(runs, run, what):
-    text = what if len(runs) == 1 else f"{run.name}: {what}"
-    return _escaped(text)   # the font renderer rejects a lone surrogate (from a damaged group name)
+    return _plain(what if len(runs) == 1 else f"{run.name}: {what}")
+
+
+def _plain(text: str) -> str:
+    """Text from a run (run, group, class, layer, metric names) as matplotlib shows it verbatim: a `$` would
+    start math text (a name with one or three fails to draw), and the font renderer rejects a lone
+    surrogate (from a damaged group name)."""
+    return _escaped(text).replace("$", r"\$")
 
 
 def _escaped(text: str, encoding: str = "utf-8") -> str:
@@ -2683,16 +2692,55 @@ def _save(fig, path, title):
 
 def write_if_changed(path: Path, data: bytes) -> bool:
     """Write `data` unless `path` holds exactly that already (a watched run's plots are not rewritten for
-    nothing), through a temporary file so that a browser never reads half of it. True when written."""
-    try:
-        if path.read_bytes() == data:
-            return False
-    except OSError:
-        pass
+    nothing), through a temporary file so that a browser never reads half of it. True when written.
+
+    A run directory may come from someone else, with a link or a FIFO planted in its analysis folder:
+    the old file is read only when it is a regular file, the side file is always a new one (never a link's
+    target), and the replace swaps the name itself, so nothing outside the folder is written or waited on."""
+    if _regular_file_bytes(path) == data:
+        return False
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    _remove_entry(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return True
+
+
+def _regular_file_bytes(path: Path):
+    """The bytes of `path` when it is a regular file, else None. Opened without following a link and
+    without blocking (a FIFO opened for reading waits for a writer), and checked once open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove whatever stands at `path` (a file, a link itself, a FIFO, a directory tree); absent is fine."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _finish(fig, ax_list, path, title):
@@ -2740,10 +2788,14 @@ def _group_series(runs, section):
     return series
 
 
-def _group_lines(runs, path, section, title, ylabel, guide=None):
+def _group_lines(runs, path, section, title, ylabel, guide=None, change=False):
+    """change=True: the section is a change since the previous collection, so the first has no value."""
     plt = _pyplot()
     series = _group_series(runs, section)
     if not series:
+        counts = [int(present(run, section).sum()) for run in runs]
+        if change and max(counts) == 1:   # switched on, but one collection has no change to show
+            return "needs two collections: it is the change between them"
         return f"no {section} values in any record"
     fig, ax = plt.subplots(figsize=(10, 4.5))
     groups_of = {ri: sum(g != "overall" for r, _, _, g, *_ in series if r == ri) for ri in range(len(runs))}
@@ -2770,7 +2822,7 @@ def plot_gradient_norm(runs, path):
 
 def plot_weight_delta(runs, path):
     return _group_lines(runs, path, "weight_delta", "Weight change between collections per group",
-                        "weight delta (L2)")
+                        "weight delta (L2)", change=True)
 
 
 def plot_learning_rate(runs, path):
@@ -2779,7 +2831,7 @@ def plot_learning_rate(runs, path):
 
 def plot_update_ratio(runs, path):
     return _group_lines(runs, path, "update_ratio", "Update ratio ||dW|| / ||W|| per group", "update ratio",
-                        guide=(1e-3, "1e-3 (typical healthy)"))
+                        guide=(1e-3, "1e-3 (typical healthy)"), change=True)
 
 
 def plot_loss(runs, path):
@@ -2884,11 +2936,11 @@ def _balance_heatmap(fig, ax, runs, run, bc):
     # White is a fair share; red more, blue less: an over-represented class stands out whatever the count.
     norm = TwoSlopeNorm(vcenter=fair, vmin=0.0, vmax=max(float(shares.max()), fair * 1.001))
     im = ax.imshow(shares[:, cols], aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
-                   extent=(st[cols][0], st[cols][-1], len(names) - 0.5, -0.5))
+                   extent=(*_span(st[cols]), len(names) - 0.5, -0.5))
     fig.colorbar(im, ax=ax, label=f"share of batch (white: 1/{len(names)})")
     if len(names) <= 40:
         ax.set_yticks(range(len(names)))
-        ax.set_yticklabels([_escaped(n[:20]) for n in names], fontsize=7)
+        ax.set_yticklabels([_plain(n[:20]) for n in names], fontsize=7)
     ax.set_ylabel("class")
     ax.set_title(_label(runs, run, f"{len(names)} classes"), fontsize=10)
 
@@ -2934,6 +2986,13 @@ def plot_batch_balance(runs, path):
     return None
 
 
+def _span(st) -> tuple:
+    """The x extent of a heatmap over steps `st`; one step is padded by half a step either side (equal
+    limits make matplotlib warn and pick its own)."""
+    lo, hi = float(st[0]), float(st[-1])
+    return (lo - 0.5, hi + 0.5) if lo == hi else (lo, hi)
+
+
 def _heat_columns(matrix, max_cols=1500):
     # Tens of thousands of collections do not fit in pixels; sample evenly so the image stays light.
     if matrix.shape[1] <= max_cols:
@@ -2947,6 +3006,8 @@ def plot_holdout_heatmap(runs, path):
     panels = [(run, h) for run in runs if (h := holdout_data(run)) and h.correct is not None
               and h.correct.shape[1] >= 2]
     if not panels:
+        if any((h := holdout_data(run)) and h.correct is not None for run in runs):
+            return "needs two collections with per-example holdout predictions"
         return "no per-example holdout predictions (holdout_logits labels/predictions) in at least 2 records"
     panels = panels[:4]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.5 + 3.5 * len(panels)), squeeze=False)
@@ -2962,7 +3023,7 @@ def plot_holdout_heatmap(runs, path):
             order = np.lexsort((-c.mean(axis=1), cat))
             img = c[order][:, cols].astype(float)
             ax.imshow(img, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#d7301f", "#1a9850"]),
-                      vmin=0, vmax=1, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
+                      vmin=0, vmax=1, extent=(*_span(st), len(order) - 0.5, -0.5))
             ticks, labels, start = [], [], 0
             for k, name in enumerate(("never learned", "flip (forgotten at least once)", "learned")):
                 count = int((cat == k).sum())
@@ -2981,7 +3042,7 @@ def plot_holdout_heatmap(runs, path):
             top = float(np.nanpercentile(mat, 99)) if h.kind == "regression" and np.isfinite(mat).any() else 1.0
             order = np.argsort(mat[:, -1])
             im = ax.imshow(mat[order][:, cols], aspect="auto", interpolation="nearest", cmap="viridis",
-                           vmin=0, vmax=top or 1.0, extent=(st[0], st[-1], len(order) - 0.5, -0.5))
+                           vmin=0, vmax=top or 1.0, extent=(*_span(st), len(order) - 0.5, -0.5))
             fig.colorbar(im, ax=ax, label=what)
             ax.set_ylabel(f"holdout example (sorted by final {what.split()[-1]})")
             ax.set_title(_label(runs, run, f"per-example holdout {what}"), fontsize=10)
@@ -3043,11 +3104,11 @@ def plot_layer_heatmap(runs, path):
         norm = LogNorm(vmin=pos.min(), vmax=max(pos.max(), pos.min() * 1.0001)) if len(pos) else None
         cmap = plt.get_cmap("magma").with_extremes(bad="#d9d9d9")   # zero/absent gradients show grey
         im = ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                       extent=(st[0], st[-1], len(layers) - 0.5, -0.5))
+                       extent=(*_span(st), len(layers) - 0.5, -0.5))
         fig.colorbar(im, ax=ax, label="gradient norm (log)")
         if len(layers) <= 60:
             ax.set_yticks(range(len(layers)))
-            ax.set_yticklabels([_escaped(k if len(k) <= 40 else "..." + k[-37:]) for k in layers], fontsize=6)
+            ax.set_yticklabels([_plain(k if len(k) <= 40 else "..." + k[-37:]) for k in layers], fontsize=6)
         ax.set_ylabel("layer")
         ax.set_xlabel("step")
         ax.set_title(_label(runs, run, "per-layer gradient norm (grey = zero or absent)"), fontsize=10)
@@ -3149,9 +3210,9 @@ def plot_system(runs, path):
                         if len(runs) > 1 else None)
                 arrays.append(y[ok])
         _floor_span(ax, arrays)
-        ax.set_title(_escaped(k), fontsize=10)
+        ax.set_title(_plain(k), fontsize=10)
         ax.set_xlabel("step")
-        ax.set_ylabel(_escaped(k))
+        ax.set_ylabel(_plain(k))
         axes.append(ax)
     _finish(fig, axes, path, "System metrics")
     return None
@@ -3212,6 +3273,9 @@ def make_plots(runs, out_dir: Path):
         path = out_dir / name
         try:
             why = fn(runs, path)
+        except OSError:   # the folder cannot be written: told once, by the caller
+            _pyplot().close("all")
+            raise
         except Exception as exc:   # one broken chart must not cost the others and the report
             why = f"failed: {type(exc).__name__}: {exc}"
             _pyplot().close("all")
@@ -3220,8 +3284,7 @@ def make_plots(runs, out_dir: Path):
         else:
             # Data that is simply absent: name the switch or call that records it.
             skipped.append((name, f"{why}; to draw it: {switch}" if why.startswith("no ") else why))
-            if path.exists():
-                path.unlink()   # a stale chart from an earlier analysis would mislead
+            _remove_entry(path)   # a stale chart from an earlier analysis would mislead
     return written, skipped
 
 
@@ -3536,10 +3599,25 @@ def export_tensorboard(runs, log_dir) -> str:
 
 # ---- Command line -----------------------------------------------------------------------------------
 
+def _seconds(positive: bool):
+    """An argparse type: a finite number of seconds, above 0 (positive) or at least 0."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds "
+                                             f"{'above 0' if positive else 'of 0 or more'}")
+        return value
+    return parse
+
+
 def _parser():
     p = argparse.ArgumentParser(
         prog="analyze-telemetry", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Exit status: 0 ok, 1 with --check when a finding is critical, 2 when a run cannot be read.")
+        epilog="Exit status: 0 ok, 1 with --check when a finding is critical, 2 when a run cannot be read (with "
+               "--check: when it holds no readable record) or an output cannot be written.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (or its telemetry.jsonl)")
     p.add_argument("--out", help="where plots and report.html go (default RUN_DIR/analysis/; several runs: "
                                  "FIRST_RUN/analysis/compare-A-vs-B/)")
@@ -3550,10 +3628,12 @@ def _parser():
     p.add_argument("--no-plots", action="store_true", help="skip plots and report.html")
     p.add_argument("--watch", action="store_true",
                    help="follow the run while it trains (it need not exist yet); ends when the run closes")
-    p.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="--watch poll interval (5)")
-    p.add_argument("--redraw", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--interval", type=_seconds(positive=True), default=5.0, metavar="SECONDS",
+                   help="--watch poll interval (5)")
+    p.add_argument("--redraw", type=_seconds(positive=False), default=30.0, metavar="SECONDS",
                    help="--watch: redraw plots and report at most this often (30)")
-    p.add_argument("--max-seconds", type=float, metavar="N", help="end --watch by itself after N seconds")
+    p.add_argument("--max-seconds", type=_seconds(positive=False), metavar="N",
+                   help="end --watch by itself after N seconds")
     p.add_argument("--tensorboard", metavar="DIR", help="also export scalars as TensorBoard logs to DIR")
     return p
 
@@ -3592,16 +3672,38 @@ def plots_unavailable():
     return None
 
 
-def _analyze(runs, args, want_plots):
-    results = [(run, f := diagnose(run), summarize(run, f)) for run in runs]
-    return results, _draw(runs, args, results) if want_plots else None
-
-
 def _draw(runs, args, results, refresh=None):
     """Plots and report.html for the results; (out dir, report path, written plots, skipped plots)."""
     out = _out_dir(args, runs)
-    written, skipped = make_plots(runs, out)
-    return out, write_report(results, written, skipped, out, refresh), written, skipped
+    try:
+        if not args.out:
+            _no_link_below(runs[0].path, out)
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out))
+        written, skipped = make_plots(runs, out)
+        return out, write_report(results, written, skipped, out, refresh), written, skipped
+    except OSError as exc:
+        raise CannotWrite(f"the plots and report.html to {out}", exc,
+                          "" if args.out else "--out DIR writes them elsewhere, --no-plots skips them") from None
+
+
+def _no_link_below(base: Path, out: Path) -> None:
+    """Refuse a symbolic link between the run directory and the default output folder: a run received from
+    someone else could point its analysis folder anywhere, and the plots would be written there."""
+    p = base
+    for part in out.relative_to(base).parts:
+        p = p / part
+        if p.is_symlink():
+            raise OSError(errno.ELOOP, "a symbolic link in the run directory; not written through", str(p))
+
+
+class CannotWrite(Exception):
+    """An output the analyzer cannot write: told in one line, exit status 2."""
+
+    def __init__(self, what: str, exc: OSError, hint: str = ""):
+        name = exc.filename2 or exc.filename   # a replace names the file it replaces second
+        where = f" ({name})" if name and str(name) not in what else ""
+        super().__init__(f"cannot write {what}: {exc.strerror or exc}{where}" + (f"; {hint}" if hint else ""))
 
 
 def _emit(text: str, file=None, **kwargs) -> None:
@@ -3743,6 +3845,10 @@ def watch(runs, args, want_plots) -> int:
 def main(argv=None) -> int:
     try:
         return _main(argv)
+    except CannotWrite as exc:   # after the diagnosis is printed: the run was read, an output was not written
+        sys.stdout.flush()
+        _emit(f"error: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # the reader went away (analyze_telemetry.py run | head): no traceback for that
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at the exit's flush of stdout
         return 1
@@ -3774,19 +3880,33 @@ def _main(argv=None) -> int:
     for run in runs:
         read_new_records(run, final=True, progress=True)
     info = sys.stderr if args.json else sys.stdout
-    if args.csv:
-        n = write_csv(runs, args.csv)
-        print(f"wrote {n} rows to {args.csv}", file=info)
-    results, where = _analyze(runs, args, want_plots)
+    # The diagnosis first: an output that cannot be written (a read-only run, a bad --csv) is told after it.
+    results = [(run, f := diagnose(run), summarize(run, f)) for run in runs]
     if args.json:
         print(json.dumps(findings_json(results), indent=1, default=float, allow_nan=False))
     else:
         _emit(format_text(results))
-    if where:
-        _print_where(where, info)
+    if args.csv:
+        try:
+            n = write_csv(runs, args.csv)
+        except OSError as exc:
+            raise CannotWrite(f"--csv {args.csv}", exc) from None
+        print(f"wrote {n} rows to {args.csv}", file=info)
+    if want_plots:
+        _print_where(_draw(runs, args, results), info)
     if args.tensorboard:
-        print(export_tensorboard(runs, args.tensorboard), file=info)
+        try:
+            told = export_tensorboard(runs, args.tensorboard)
+        except OSError as exc:
+            raise CannotWrite(f"--tensorboard {args.tensorboard}", exc) from None
+        print(told, file=info)
     if args.check:
+        # A smoke test must not pass a run it could not judge: an empty file, or every line damaged.
+        empty = [run for run in runs if not run.records]
+        for run in empty:
+            _emit(f"error: no readable record in {run.path / RECORD_FILE}: nothing to judge", file=sys.stderr)
+        if empty:
+            return 2
         return 1 if any(f.severity == "critical" for _, fs, _ in results for f in fs) else 0
     return 0
 

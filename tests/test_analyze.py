@@ -9,11 +9,14 @@ label noise. Each problem scenario bends one part of it.
 import csv
 import json
 import math
+import os
 import re
+import stat
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -499,13 +502,12 @@ def test_check_exit_codes(tmp_path):
 
 
 def test_a_reader_that_goes_away_gets_no_traceback(tmp_path):
-    """analyze_telemetry.py run... | head: the pipe closes after the first lines, and the rest is dropped
-    quietly, as other command-line tools do."""
-    runs = [str(write_run(tmp_path / f"r{k}", healthy_records(seed=k))) for k in range(40)]
+    """analyze_telemetry.py run... | head: the pipe closes before the output is all written, and the rest is
+    dropped quietly, as other command-line tools do."""
+    runs = [str(write_run(tmp_path / f"r{k}", healthy_records(seed=k))) for k in range(3)]
     proc = subprocess.Popen([PY, str(ROOT / "analyze_telemetry.py"), *runs, "--no-plots"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    assert proc.stdout.read(10)
-    proc.stdout.close()
+    proc.stdout.close()  # gone before the first line: its write fails, whenever it comes
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
 
@@ -632,3 +634,126 @@ def test_watch_writes_report_and_ends_on_ctrl_c(tmp_path):
     assert proc.returncode == 0, err
     assert "stopped watching" in out and "Traceback" not in err
     assert (path / "analysis" / "report.html").exists()
+
+
+# ---- what a run directory from elsewhere, or a bad output path, must not do ------------------------------
+
+def test_links_and_fifos_in_the_analysis_folder_are_never_written_through_or_waited_on(tmp_path):
+    """A run received from someone else may carry links and FIFOs in its analysis folder: the analyzer
+    writes no file outside the run and does not wait on a FIFO (a subprocess, so a hang fails the test)."""
+    path = write_run(tmp_path / "r", healthy_records(n=20))
+    analysis = path / "analysis"
+    analysis.mkdir()
+    victims = [tmp_path / "victim1.txt", tmp_path / "victim2.txt"]
+    for v in victims:
+        v.write_text("precious")
+    (analysis / "report.html.tmp").symlink_to(victims[0])
+    (analysis / "loss.png.tmp").symlink_to(victims[1])
+    os.mkfifo(analysis / "report.html")
+    os.mkfifo(analysis / "gradient_norm.png")
+    proc = subprocess.run([PY, str(ROOT / "analyze_telemetry.py"), str(path)], capture_output=True, text=True,
+                          timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert [v.read_text() for v in victims] == ["precious", "precious"]
+    for name in ("report.html", "loss.png", "gradient_norm.png"):
+        assert stat.S_ISREG(os.lstat(analysis / name).st_mode), name
+    assert not list(analysis.glob("*.tmp"))
+    assert (analysis / "loss.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    # The analysis folder itself a link out of the run: refused, nothing written there.
+    other = write_run(tmp_path / "linked", healthy_records(n=20))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (other / "analysis").symlink_to(outside)
+    proc = subprocess.run([PY, str(ROOT / "analyze_telemetry.py"), str(other)], capture_output=True, text=True,
+                          timeout=90)
+    assert proc.returncode == 2 and "symbolic link" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "Run linked" in proc.stdout and not list(outside.iterdir())
+
+
+def test_a_dollar_in_a_name_draws_every_plot(tmp_path, capsys):
+    """Group, class, layer and metric names (and a run's name) are any text: a `$` is drawn as a dollar, not
+    read as math text."""
+    recs = healthy_records(n=30, extra=True)
+    rename = {"backbone": "cost$^$", "head": "head_$lr"}
+    for r in recs:
+        for section in ("gradient_norm", "weight_delta", "learning_rates", "update_ratio", "weight_norm"):
+            r[section] = {rename.get(k, k): v for k, v in r[section].items()}
+        r["layer_stats"] = {"$" + k: v for k, v in r["layer_stats"].items()}
+        r["system"]["cost_$"] = 1.0
+        r["batch_stats"]["counts"] = {"$" + k: v for k, v in r["batch_stats"]["counts"].items()}
+    path = write_run(tmp_path / "r$1", recs)
+    assert at.main([str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "failed" not in captured.out and "ParseSyntaxException" not in captured.out + captured.err
+    for name in ("gradient_norm.png", "weight_delta.png", "learning_rate.png", "update_ratio.png",
+                 "batch_balance.png", "layer_grad_heatmap.png", "system.png"):
+        assert (path / "analysis" / name).is_file(), name
+    # two runs: the run's name is in every label
+    second = write_run(tmp_path / "r$2", recs)
+    assert at.main([str(path), str(second), "--out", str(tmp_path / "cmp")]) == 0
+    assert "failed" not in capsys.readouterr().out
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1], label=at._plain("cost$^$"))
+    legend = ax.legend()
+    fig.canvas.draw()
+    assert legend.get_texts()[0].get_text() == at._plain("cost$^$")
+    plt.close(fig)
+
+
+def test_outputs_that_cannot_be_written_are_one_message_and_exit_2(tmp_path, capsys):
+    """The diagnosis is printed, then one line names the path and why, and the exit status is 2 (1 is
+    --check's critical finding)."""
+    path = write_run(tmp_path / "r", healthy_records(n=20))
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    cases = [([str(path), "--out", str(tmp_path / "afile")], "Not a directory"),
+             ([str(path), "--csv", str(tmp_path / "adir"), "--check"], "Is a directory"),
+             ([str(path), "--csv", str(tmp_path / "nope" / "x.csv"), "--check"], "No such file or directory")]
+    for argv, why in cases:
+        assert at.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out.startswith("Run r "), out
+        assert err.startswith("error: cannot write") and why in err and err.count("\n") == 1, err
+    # the default folder not writable (here: a file stands at its name, as on a read-only run)
+    (path / "analysis").write_text("x")
+    assert at.main([str(path), "--check", "--plots"]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("Run r ") and str(path / "analysis") in err and "--out DIR" in err, err
+    for interval in ("-1", "0", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            at.main([str(path), "--watch", "--interval", interval])
+        assert exc.value.code == 2 and "argument --interval" in capsys.readouterr().err
+
+
+def test_check_refuses_a_run_with_no_readable_record(tmp_path, capsys):
+    empty = write_run(tmp_path / "empty", [])
+    garbage = write_run(tmp_path / "garbage", [], trailing="\x00not json\n{\"step\": 1, \"lo")
+    for path in (empty, garbage):
+        assert at.main([str(path), "--check"]) == 2
+        out, err = capsys.readouterr()
+        assert "0 records" in out and "nothing to judge" in err, err
+        assert at.main([str(path), "--no-plots"]) == 0   # without --check: the friendly summary
+        assert "No records to judge yet" in capsys.readouterr().out
+    healthy = write_run(tmp_path / "healthy", healthy_records(n=20))
+    assert at.main([str(healthy), str(empty), "--check"]) == 2
+
+
+def test_a_single_record_run_says_what_its_plots_need(tmp_path, capsys):
+    """One collection cannot show a change or a series: the switches are on, so the skip says what is
+    missing, and no matplotlib warning reaches the terminal."""
+    rec = healthy_records(n=3)[0]
+    rec["update_ratio"] = {"overall": None, "backbone": None, "head": None}
+    rec["batch_stats"]["counts"] = {str(c): 3 + c for c in range(10)}   # ten classes: a heatmap
+    path = write_run(tmp_path / "r", [rec])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert at.main([str(path)]) == 0
+    assert not caught, [str(w.message) for w in caught]
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("skipped"))
+    assert "weight_delta (needs two collections" in line and "update_ratio (needs two collections" in line, line
+    assert "holdout_heatmap (needs two collections" in line, line
+    assert "track_weight_delta" not in line and "set_holdout_data" not in line and "track_update_ratio" not in line
+    assert (path / "analysis" / "batch_balance.png").is_file()
