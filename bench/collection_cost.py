@@ -8,11 +8,11 @@ bandwidth measured in this same run (dst.copy_(src) moves 2 x its size). Peak RS
 during each collection and compared with the RSS just before it, as a share of the model's size.
 The holdout and batch stats are off: this measures the part that scales with the model.
 
-The weight pass goes through torch.compile'd fused kernels once they are compiled (on a background thread,
-after the first collection): the run waits for that compile, then alternates collections with the kernels and
-with the eager ops (side by side, same process). With --baseline REV, the first collection of a fresh
-process is timed for this telemetry.py and for the one in git revision REV, alternating child processes:
-the compile must stay off the first collection's path.
+With TELEMETRY_COMPILE=1 the weight pass goes through torch.compile'd fused kernels, which the first
+collection compiles as it ends: the run's first collection does so, then collections alternate with the
+kernels and with the eager ops (side by side, same process). Then the compile's cost once, in a fresh
+process. With --baseline REV, the first collection of a fresh process is timed for this telemetry.py and
+for the one in git revision REV, alternating child processes.
 """
 
 import argparse
@@ -145,20 +145,10 @@ def config(out, module=telemetry):
                                   track_batch_stats=False, strict=True)
 
 
-def wait_for_compile(timeout):
-    """Seconds until the background compile of the fused kernels ended (None: it did not within timeout)."""
-    start = time.perf_counter()
-    while telemetry._FUSED.compiling:
-        if time.perf_counter() - start > timeout:
-            return None
-        time.sleep(0.05)
-    return time.perf_counter() - start
-
-
 def timed_collections(telemetry_run, model, optimizer, step, repeats):
     """{"fused": [...], "eager": [...]} seconds per collection, alternating, with peak RSS rises."""
     # The eager collections get kernels that hold none and, with TELEMETRY_COMPILE=0, never ask for any: else
-    # they would start a compile of their own on a background thread, and serve through it once it is done.
+    # they would compile their own at the end of their first collection, and serve through them.
     eager = telemetry._FusedKernels()
     fused = telemetry._FUSED
     times, rises = {"fused": [], "eager": []}, {"fused": [], "eager": []}
@@ -210,11 +200,9 @@ def first_collections(args):
     return {name: statistics.median(values) for name, values in got.items()}
 
 
-def compile_cost_child(width, layers, steps, timeout):
-    """A fresh process's training steps after its first collection (JSON on stdout): while the background
-    compile that the collection starts runs (for `timeout` seconds at most), or `steps` of them when nothing
-    compiles (TELEMETRY_COMPILE=0), with the resident memory before and after them. Each step calls the hook,
-    which does not collect again."""
+def compile_cost_child(width, layers):
+    """A fresh process's first collection (JSON on stdout): its seconds, which with TELEMETRY_COMPILE=1 include
+    the compile of the fused kernels at its end, and the resident memory it added."""
     torch.set_num_threads(os.cpu_count() or 1)
     model, optimizer, step = build(width, layers)
     with tempfile.TemporaryDirectory() as out:
@@ -222,27 +210,20 @@ def compile_cost_child(width, layers, steps, timeout):
                                                 track_batch_stats=False, strict=True))
         for _ in range(2):  # the optimizer's and autograd's first allocations
             step()
-        run.on_batch_end(model, optimizer, 0, 0)  # the first collection; a compile starts as it ends
-        started, rss = time.perf_counter(), rss_bytes()
-        times = []
-        compiling = lambda: telemetry._FUSED.compiling and time.perf_counter() - started < timeout
-        while compiling() if steps is None else len(times) < steps:
-            begin = time.perf_counter()
-            step()
-            run.on_batch_end(model, optimizer, len(times) + 1, 0)
-            times.append(time.perf_counter() - begin)
-        print(json.dumps({"ready_s": time.perf_counter() - started, "steps_s": times, "rss_added": rss_bytes() - rss,
+        rss, begin = rss_bytes(), time.perf_counter()
+        run.on_batch_end(model, optimizer, 0, 0)
+        print(json.dumps({"first_s": time.perf_counter() - begin, "rss_added": rss_bytes() - rss,
                           "kernels": sum(callable(k) for k in telemetry._FUSED.kernels.values()),
                           "failure": telemetry._FUSED.failure()}))
 
 
 def compile_cost(args):
-    """The background compile's cost, against a process that does not compile: (with, without) results."""
-    def child(env, steps=0):
-        return child_json(args, "--compile-child", str(steps), "--compile-timeout", str(args.compile_timeout), env=env)
+    """The compile's cost, against a process that does not compile: (with, without) results."""
+    def child(env):
+        return child_json(args, "--compile-child", "1", env=env)
     with tempfile.TemporaryDirectory() as cache:  # empty: what a machine's first run compiles
         fused = child({"TELEMETRY_COMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": cache})
-    return fused, child({"TELEMETRY_COMPILE": "0"}, steps=max(len(fused["steps_s"]), 1))
+    return fused, child({"TELEMETRY_COMPILE": "0"})
 
 
 def main(argv=None) -> int:
@@ -250,10 +231,9 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compile-timeout", type=float, default=600.0)
     parser.add_argument("--baseline", help="git revision whose first collection is timed against this one")
     parser.add_argument("--first-rounds", type=int, default=3)
-    parser.add_argument("--no-compile-cost", action="store_true", help="skip the background compile's cost")
+    parser.add_argument("--no-compile-cost", action="store_true", help="skip the fused kernels' compile cost")
     parser.add_argument("--first-child", help=argparse.SUPPRESS)
     parser.add_argument("--compile-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -261,7 +241,7 @@ def main(argv=None) -> int:
         first_collection_child(args.first_child, args.width, args.layers)
         return 0
     if args.compile_child is not None:
-        compile_cost_child(args.width, args.layers, args.compile_child or None, args.compile_timeout)
+        compile_cost_child(args.width, args.layers)
         return 0
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"load average at the start: {open('/proc/loadavg').read().split()[0]}")
@@ -270,8 +250,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as out:
         run = TrainingTelemetry(config(out))
         step()
-        run.on_batch_end(model, optimizer, 0, 0)  # writes the first reference; the kernels' compile starts
-        compile_s = wait_for_compile(args.compile_timeout)
+        os.environ["TELEMETRY_COMPILE"] = "1"
+        begin = time.perf_counter()
+        run.on_batch_end(model, optimizer, 0, 0)  # writes the first reference, then compiles the kernels
+        compile_s = time.perf_counter() - begin
+        os.environ.pop("TELEMETRY_COMPILE")
         step()
         run.on_batch_end(model, optimizer, 0, 0)  # untimed: the second collection creates the reference's spare file
         bandwidth = copy_bandwidth(256 << 20)
@@ -286,13 +269,11 @@ def main(argv=None) -> int:
     report(args, model_bytes, bandwidth, passes, floor, compile_s, times, rises, ops, threads, per_call_us)
     if not args.no_compile_cost:
         fused, plain = compile_cost(args)
-        during, without = statistics.median(fused["steps_s"] or [0.0]), statistics.median(plain["steps_s"])
-        print(f"background compile in a fresh process with an empty inductor cache (a machine's first run): "
-              f"{fused['kernels']} kernel(s) ready {fused['ready_s']:.1f} s after the first collection "
-              f"(failure: {fused['failure']}); training steps meanwhile: median {during * 1e3:.0f} ms over "
-              f"{len(fused['steps_s'])}, against {without * 1e3:.0f} ms with TELEMETRY_COMPILE=0: RATIO "
-              f"{during / without:.2f}x; resident memory added meanwhile: {fused['rss_added'] / 2**20:.0f} MiB "
-              f"(with TELEMETRY_COMPILE=0, over as many steps: {plain['rss_added'] / 2**20:.0f} MiB)")
+        print(f"the fused kernels' compile in a fresh process with an empty inductor cache (a machine's first "
+              f"run): the first collection took {fused['first_s']:.1f} s with TELEMETRY_COMPILE=1 "
+              f"({fused['kernels']} kernel(s) compiled at its end; failure: {fused['failure']}), against "
+              f"{plain['first_s']:.2f} s with TELEMETRY_COMPILE=0; resident memory it added: "
+              f"{fused['rss_added'] / 2**20:.0f} MiB (with TELEMETRY_COMPILE=0: {plain['rss_added'] / 2**20:.0f} MiB)")
     if args.baseline:
         first = first_collections(args)
         print(f"first collection of a fresh process (median of {args.first_rounds}, alternating child processes): "
@@ -314,7 +295,7 @@ def report(args, model_bytes, bandwidth, passes, floor, compile_s, times, rises,
     params = model_bytes / 4
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f}M parameters, "
           f"{model_bytes / 2**20:.0f} MiB; torch {torch.__version__}")
-    print(f"fused kernels: {'compiled in the background in %.1f s' % compile_s if compile_s is not None else 'not ready'}"
+    print(f"fused kernels: the first collection, which compiled them, took {compile_s:.1f} s"
           f" {sorted(str(k) for k in telemetry._FUSED.kernels)}; failure: {telemetry._FUSED.failure()}")
     print(f"copy bandwidth (measured here): {bandwidth / 2**30:.2f} GiB/s; "
           f"bandwidth floor ({passes} x model bytes / copy bandwidth): {floor * 1e3:.0f} ms")
