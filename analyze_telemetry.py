@@ -2274,7 +2274,8 @@ def _section_errors(run: Run) -> dict:
     return errors
 
 
-CORE_SECTIONS = ("holdout_logits", "gradient_norm", "weight_delta")
+# layout: the trainable parameters and their groups, which every section read from the parameters needs
+CORE_SECTIONS = ("holdout_logits", "gradient_norm", "weight_delta", "layout")
 
 
 def _failed_everywhere(run: Run, errors: dict) -> list:

@@ -495,6 +495,19 @@ def test_group_pattern_that_matches_nothing_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"pattern 'heads\.\*' of group 'head' matches no parameter"):
         strict.on_batch_end(model, optimizer, 0, 0)
     strict.close()
+    # Not strict: recorded at every collection, without any section read from the parameters, and the
+    # analyzer says so first, as critical (a run without gradient norms is no healthy run).
+    run = str(tmp_path / "loose")
+    loose = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1, groups={"head": ["heads.*"]}))
+    with pytest.warns(RuntimeWarning, match="matches no parameter"):
+        for i in range(3):
+            optimizer.step()
+            loose.on_batch_end(model, optimizer, i, 0)
+    loose.close()
+    assert all("gradient_norm" not in r and "layout" in r["errors"] for r in read(run))
+    at = pytest.importorskip("analyze_telemetry")
+    found = at.diagnose(at.load_run(run, progress=False))
+    assert (found[0].code, found[0].severity, found[0].group) == ("section_failed", "critical", "layout")
     with pytest.raises(ValueError, match="groups: 'overall' cannot name a group"):
         TelemetryConfig(groups={"overall": ["head"]})
     with pytest.raises(ValueError, match="groups: group 'head' needs at least one"):
