@@ -475,7 +475,7 @@ def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
     the counts are needed to build the keys, so this is the one metric that copies to the host itself."""
     values = labels.detach().reshape(-1).cpu()
     stats: Dict[str, Any] = {"batch_size": int(labels.shape[0]) if labels.dim() else 1, "label_key": key}
-    if is_regression_target(values) or _multi_label(labels):
+    if is_regression_target(values) or _multi_label(values.view(labels.shape)):  # the host copy, not another
         return stats  # a regression target, or several 0/1 targets per example, has no classes to balance
     uniq, counts = torch.unique(values.long(), return_counts=True)
     total = max(int(values.numel()), 1)
@@ -545,15 +545,20 @@ def is_regression_target(labels: torch.Tensor) -> bool:
     """Float targets other than 0/1 are regression targets; integer labels and float 0/1 (BCE) are classes.
     Host values: called once per holdout, and by label_balance, which copies its labels anyway."""
     values = labels.detach().cpu()
-    return values.is_floating_point() and not bool(((values == 0) | (values == 1)).all())
+    return values.is_floating_point() and not _zero_one(values)
 
 
 def _multi_label(labels: torch.Tensor) -> bool:
-    """Several 0/1 targets per example (multi-label or one-hot), in any dtype: [N, C] labels with C > 1."""
+    """Several 0/1 targets per example (multi-label or one-hot), in any dtype: [N, C] labels with C > 1.
+    Host values, as is_regression_target."""
     if labels.dim() < 2 or labels[0].numel() < 2:
         return False
     values = labels.detach().cpu()
-    return values.dtype == torch.bool or bool(((values == 0) | (values == 1)).all())
+    return values.dtype == torch.bool or _zero_one(values)
+
+
+def _zero_one(values: torch.Tensor) -> bool:
+    return bool(((values == 0) | (values == 1)).all())
 
 
 def regression_holdout(predictions: torch.Tensor, targets: torch.Tensor) -> Dict[str, Any]:
