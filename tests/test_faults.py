@@ -143,6 +143,20 @@ def train_step(model, optimizer, step):
     optimizer.step()
 
 
+def collecting_run(run):
+    """The tiny model, its SGD and a TrainingTelemetry collecting at every step in `run`."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer, TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False))
+
+
+def collect_steps(model, optimizer, tel, steps):
+    """Train each step and call the hook after it."""
+    for step in steps:
+        train_step(model, optimizer, step)
+        tel.on_batch_end(model, optimizer, step, 0)
+
+
 def replayed_weights(steps):
     """The weights after each training step, from a run without telemetry (the training is deterministic)."""
     model = tiny_model()
@@ -369,15 +383,11 @@ def test_a_link_planted_at_a_side_file_mid_run_is_never_written_through(tmp_path
     run = tmp_path / "run"
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False))
+    model, optimizer, tel = collecting_run(run)
     os.symlink(victim, run / name)  # planted after the constructor looked
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for step in range(1, 4):
-            train_step(model, optimizer, step)
-            tel.on_batch_end(model, optimizer, step, 0)
+        collect_steps(model, optimizer, tel, range(1, 4))
         tel.set_holdout_data((torch.randn(4, 8), torch.tensor([0, 1, 2, 0])))  # one more run.json write
     tel.close()
     assert victim.read_text() == "precious" and len(read_lines(run)) == 3
@@ -472,12 +482,8 @@ def _reference_damage(path):
 @pytest.mark.parametrize("which", ["last_checkpoint.safetensors", "initial_weights.safetensors"])
 def test_a_damaged_reference_is_refused_rewritten_and_measured_again(tmp_path, kind, which):
     run = tmp_path / "run"
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False))
-    for step in (1, 2):
-        train_step(model, optimizer, step)
-        tel.on_batch_end(model, optimizer, step, 0)
+    model, optimizer, tel = collecting_run(run)
+    collect_steps(model, optimizer, tel, (1, 2))
     _reference_damage(run / which)[kind]()
     w0 = replayed_weights(1)[1]  # the weights the initial file holds: those after the first step
     records = []
@@ -652,15 +658,11 @@ def test_a_hard_link_to_a_reference_keeps_what_it_held(tmp_path):
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False))
-    for step in range(1, 7):
-        train_step(model, optimizer, step)
-        tel.on_batch_end(model, optimizer, step, 0)
-        if step == 2:
-            os.link(run / "last_checkpoint.safetensors", tmp_path / "kept.safetensors")
-            kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, optimizer, tel = collecting_run(run)
+    collect_steps(model, optimizer, tel, (1, 2))
+    os.link(run / "last_checkpoint.safetensors", tmp_path / "kept.safetensors")
+    kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    collect_steps(model, optimizer, tel, range(3, 7))
     tel.close()
     loaded = load_file(str(tmp_path / "kept.safetensors"))
     assert all(torch.equal(loaded[n], kept[n]) for n in kept)
@@ -678,12 +680,8 @@ def test_close_lets_go_of_the_reference_files(tmp_path):
     import gc
 
     run = tmp_path / "run"
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1, alerts=False))
-    for step in range(1, 4):
-        train_step(model, optimizer, step)
-        tel.on_batch_end(model, optimizer, step, 0)
+    model, optimizer, tel = collecting_run(run)
+    collect_steps(model, optimizer, tel, range(1, 4))
     assert str(run) in open("/proc/self/maps").read()
     tel.close()
     gc.collect()
