@@ -319,18 +319,34 @@ def test_regression_is_recorded_as_regression(tmp_path):
 # ---- optimizer steps, accumulation, parameters, arguments --------------------------------------------
 
 
-def test_gradient_accumulation_records_only_whole_gradients(tmp_path):
+def accumulating(out, every):
+    """The digits, the MLP, its SGD and a strict telemetry collecting every `every` batches, for the tests of
+    gradient accumulation."""
     x, y = digits()
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=4, strict=True,
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=every, strict=True,
                                             alerts=False, track_system=False))
+    return x, y, model, optimizer, tel
+
+
+def micro_batch(model, x, y, batch_idx, accumulate):
+    """Backward of micro-batch batch_idx (8 examples), its loss divided by the micro-batches per step."""
+    part = slice(batch_idx * 8, batch_idx * 8 + 8)
+    (nn.functional.cross_entropy(model(x[part]), y[part]) / accumulate).backward()
+
+
+def whole_gradient_norm(model):
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+
+
+def test_gradient_accumulation_records_only_whole_gradients(tmp_path):
+    x, y, model, optimizer, tel = accumulating(tmp_path, 4)
     accumulate, norms = 4, {}
     for batch_idx in range(1, 45):  # the README's one-liner, called at every micro-batch
-        part = slice(batch_idx * 8, batch_idx * 8 + 8)
-        (nn.functional.cross_entropy(model(x[part]), y[part]) / accumulate).backward()
+        micro_batch(model, x, y, batch_idx, accumulate)
         if batch_idx % accumulate == 0:
-            norms[batch_idx] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+            norms[batch_idx] = whole_gradient_norm(model)
             optimizer.step()
         tel.on_batch_end(model, optimizer, batch_idx, 0)
         if batch_idx % accumulate == 0:
@@ -349,18 +365,13 @@ def test_gradient_accumulation_with_the_hook_only_after_each_step(tmp_path):
     """The hook called only where the optimizer steps, every 4th batch (batch_idx 3, 7, 11, ...): most multiples
     of collect_every_n=10 fall between two calls of an epoch. Each is collected at the first step after it,
     with that step's whole gradient."""
-    x, y = digits()
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=10, strict=True,
-                                            alerts=False, track_system=False))
+    x, y, model, optimizer, tel = accumulating(tmp_path, 10)
     accumulate, norms = 4, {}
     for epoch in range(2):
         for batch_idx in range(42):
-            part = slice(batch_idx * 8, batch_idx * 8 + 8)
-            (nn.functional.cross_entropy(model(x[part]), y[part]) / accumulate).backward()
+            micro_batch(model, x, y, batch_idx, accumulate)
             if batch_idx % accumulate == accumulate - 1:
-                norms[epoch, batch_idx] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+                norms[epoch, batch_idx] = whole_gradient_norm(model)
                 optimizer.step()
                 tel.on_batch_end(model, optimizer, batch_idx, epoch)
                 optimizer.zero_grad()
