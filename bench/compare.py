@@ -45,7 +45,6 @@ INTERVALS = (1, 16, 200)
 PEERS = ("wandb_all", "wandb_gradients", "tensorboard", "lightning")
 HOLDOUT_SIZE = 50
 PASSES = 5  # over the trainable bytes in an MLP collection (see floor_numbers)
-MAX_COMPILE_WAIT_S = 600.0  # a child's warm-up waits at most this long for telemetry's background compile
 
 # =====================================================================================================
 # Workloads (child side)
@@ -244,7 +243,6 @@ class Setup:
         self.backward = None  # (loss, step, batch, outputs) -> None; None: loss.backward()
         self.close = lambda: None
         self.info = {}
-        self.compiling = lambda: False  # True while telemetry compiles its fused kernels in the background
 
 
 def setup_config(config, interval, wl, tmp):
@@ -270,7 +268,6 @@ def setup_config(config, interval, wl, tmp):
             tel.set_holdout_data(wl.holdout)
         s.hook = lambda step, batch, loss: tel.on_batch_end(wl.model, wl.opt, step, 0, batch=batch, loss=loss)
         s.close = tel.close if hasattr(tel, "close") else s.close
-        s.compiling = lambda: bool(getattr(getattr(T, "_FUSED", None), "compiling", False))
         s.info["records_file"] = os.path.join(tmp, "telemetry.jsonl")
         with open(T.__file__, "rb") as f:  # which telemetry.py was measured (it may change between runs)
             s.info["telemetry_sha1"] = hashlib.sha1(f.read()).hexdigest()[:12]
@@ -468,7 +465,6 @@ def run_child(workload, config, interval, steps, warmup):
         model, opt = wl.model, wl.opt
         ledger = CpuLedger()
         step, clean_c, clean_o = 0, 0, 0
-        started = time.perf_counter()
         while True:
             step += 1
             if step > warmup + steps and (enough(clean_c, clean_o) or step > warmup + 3 * steps):
@@ -494,11 +490,6 @@ def run_child(workload, config, interval, steps, warmup):
             loss.item()
             t3 = time.perf_counter()
             ok = ledger.other_ticks() <= 1
-            # The window opens once a background compile of telemetry's fused kernels (large models) has ended:
-            # it measures the steady state; collection_cost.py measures what the compile itself costs. The
-            # warm-up grows by whole intervals, so the window holds as many collections as planned.
-            if step == warmup and setup.compiling() and time.perf_counter() - started < MAX_COMPILE_WAIT_S:
-                warmup += max(every, 1)
             if step > warmup:
                 if is_coll(step):
                     coll_idx.append(len(step_s))
@@ -518,7 +509,6 @@ def run_child(workload, config, interval, steps, warmup):
         coll_clean = [i for i in coll if clean[i]] or coll
         result.update(
             status="ok",
-            warmup_run=warmup,
             steps_run=len(step_s),
             clean_share=sum(clean) / len(clean),
             step_ms_clean=1e3 * clean_mean(step_s, clean, coll_set, n_coll, n_non),
@@ -1180,16 +1170,6 @@ def report(args, results, repeats, analyze, total):
     if ck:
         extra.append(f"- Cockpit runs in {repo_relative(COCKPIT_PYTHON)} (torch {ck[0].get('torch')}): its ratios are against a bare "
                      "loop measured in that venv")
-    waited = defaultdict(list)  # (workload, config, interval) -> extra warm-up steps of each child that waited
-    for r in results:
-        if r.get("status") == "ok" and r.get("warmup_run", r["warmup"]) > r["warmup"]:
-            waited[(r["workload"], r["config"], r["interval"])].append(r["warmup_run"] - r["warmup"])
-    if waited:
-        extra.append("- windows opened after telemetry's background compile of its fused kernels ended (the steady "
-                     "state; `bench/collection_cost.py` measures what the compile itself costs), the warm-up longer "
-                     "by whole intervals, in the children that waited: "
-                     + "; ".join(f"{w} {c} every {n}: +{', +'.join(map(str, ks))} steps"
-                                 for (w, c, n), ks in sorted(waited.items())))
     tl = targets(summary)
     target_lines = [f"- {'n/a' if ok is None else 'n/a (within noise)' if ok == 'noise' else verdict(ok)} {text}"
                     for text, ok in tl]

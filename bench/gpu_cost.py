@@ -14,8 +14,9 @@ For each workload, in one process: telemetry.py's hook (default config, no holdo
 on and off in alternating blocks of --block steps (an off block has no hook, and wandb's hooks removed); the
 ratio is a round's median step time with it on over that of the off block beside it, whose order alternates,
 and the table gives the median over --rounds rounds. Every step ends with loss.item(), so a step's time
-includes the device's work. Our configurations open their rounds only once telemetry's background compile of
-the fused kernels has ended (the compile is a once-per-process cost, measured by collection_cost.py).
+includes the device's work. A first block, untimed, holds each configuration's first collections: they write
+the references and, with TELEMETRY_COMPILE=1, compile the fused kernels (a once-per-process cost, measured by
+collection_cost.py).
 
 Then where one collection's time goes: the hook timed alone (the device synchronised before and after), and
 each section with the device synchronised around it, with the reference file's write, the pass over the weights
@@ -91,25 +92,13 @@ def build(name, device, quick):
     return wl
 
 
-def wait_for_compile(wl, setup, step, block, limit_s):
-    """Collect block after block until telemetry's background compile has ended; (steps taken, seconds)."""
-    start = time.perf_counter()
-    taken = 0
-    while setup.compiling() and time.perf_counter() - start < limit_s:
-        block_steps(wl, setup.hook, step + taken, block)
-        taken += block
-    return taken, time.perf_counter() - start
-
-
-def blocks(wl, config, interval, block, rounds, tmp, compile_wait_s):
+def blocks(wl, config, interval, block, rounds, tmp):
     """Alternating on/off blocks of one configuration on this process's model: ratios and step times."""
     setup = setup_config(config, interval, wl, tmp)
     pause, resume = toggles(config, wl, interval)
     step = wl.step
-    block_steps(wl, setup.hook, step, block)  # the first collections write the references
+    block_steps(wl, setup.hook, step, block)  # the first collections write the references (and compile)
     step += block
-    waited, waited_s = wait_for_compile(wl, setup, step, block, compile_wait_s)
-    step += waited
     ratios, on_ms, off_ms = [], [], []
     for r in range(rounds):
         means, step = alternating_round(wl, setup.hook, pause, resume, step, block, r)
@@ -121,8 +110,7 @@ def blocks(wl, config, interval, block, rounds, tmp, compile_wait_s):
     wl.step = step
     result = {"config": config, "interval": interval, "ratio_median": statistics.median(ratios),
               "ratio_min": min(ratios), "ratio_max": max(ratios), "step_on_ms": statistics.median(on_ms),
-              "step_off_ms": statistics.median(off_ms), "compile_wait_steps": waited,
-              "compile_wait_s": round(waited_s, 1), "still_compiling": setup.compiling()}
+              "step_off_ms": statistics.median(off_ms)}
     return result, setup
 
 
@@ -176,7 +164,7 @@ def measure(name, args):
         interval = int(interval)
         with tempfile.TemporaryDirectory(prefix=f"gpu-cost-{name}-{config}-") as tmp:
             try:
-                result, setup = blocks(wl, config, interval, args.block, args.rounds, tmp, args.compile_wait)
+                result, setup = blocks(wl, config, interval, args.block, args.rounds, tmp)
                 if config == "ours" and interval == 1:
                     result.update(where_time_goes(wl, setup, sys.modules["telemetry"], args.collections, sync))
                     records = os.path.join(tmp, "telemetry.jsonl")
@@ -242,8 +230,6 @@ def main():
     p.add_argument("--workloads", nargs="+", default=["gpt2", "llama_lora"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), help="CONFIG:INTERVAL, CONFIG as compare.py's")
-    p.add_argument("--compile-wait", type=float, default=300.0,
-                   help="seconds our configurations wait for the background compile before their rounds")
     p.add_argument("--block", type=int, default=20)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--collections", type=int, default=10, help="collections timed alone and by section")

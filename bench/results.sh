@@ -56,12 +56,15 @@ $PY bench/compare.py "$@"
     echo
     echo "## On a GPU"
     echo
-    echo "Measured on a lent GPU machine, not by this script (CI and this machine have no GPU): the figures of"
-    echo "bench/gpu/h200.json, from \`python3 bench/gpu_cost.py --block 10 --rounds 4 --collections 6"
-    echo "--compile-wait 60 --json bench/gpu/h200.json\`, then, in the same call on the same machine, the baseline,"
-    echo "bench/gpu/h200_baseline.json, from \`python3 bench/gpu_cost.py --telemetry OLD_TELEMETRY_PY --configs ours:1"
-    echo "--block 10 --rounds 3 --collections 6 --compile-wait 30 --json bench/gpu/h200_baseline.json\`. The fused"
-    echo "kernels are not used there: that torch's compiled functions have no aot_compile, so the eager ops served."
+    echo "Measured on a lent GPU machine, not by this script (CI and this machine have no GPU), by bench/gpu_cost.py"
+    echo "as it was at commit 2d17c01, which also waited up to --compile-wait seconds for a background compile that"
+    echo "telemetry.py no longer runs: the figures of bench/gpu/h200.json, from \`python3 bench/gpu_cost.py --block 10"
+    echo "--rounds 4 --collections 6 --compile-wait 60 --json bench/gpu/h200.json\`, then, in the same call on the same"
+    echo "machine, the baseline, bench/gpu/h200_baseline.json, from \`python3 bench/gpu_cost.py --telemetry"
+    echo "OLD_TELEMETRY_PY --configs ours:1 --block 10 --rounds 3 --collections 6 --compile-wait 30 --json"
+    echo "bench/gpu/h200_baseline.json\`. The fused kernels were not used there: that torch's compiled functions have"
+    echo "no aot_compile, so the eager ops served. The figures predate the later telemetry.py: they were not measured"
+    echo "again, for want of a GPU. Run now, the same commands go without --compile-wait."
     echo "Printed by \`$PY bench/gpu_cost.py --from-json bench/gpu/h200.json --baseline-json bench/gpu/h200_baseline.json\`:"
     echo
     $PY bench/gpu_cost.py --from-json bench/gpu/h200.json --baseline-json bench/gpu/h200_baseline.json
