@@ -2076,9 +2076,18 @@ def _reduce_device() -> torch.device:
     return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
 
 
-def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
-    # The same parameters, under the names a single process would record.
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+def _unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The same parameters, under the names a single process of the plain model would record: without DDP's
+    "module." and torch.compile's "_orig_mod." (a run resumed with torch.compile added is the same run, and
+    compiled and eager runs compare group by group and layer by layer)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
+                                                                       torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 @contextlib.contextmanager
@@ -4098,7 +4107,7 @@ class _Holdout:
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
         """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models,
         squared and absolute errors for regression)."""
-        model = _unwrap_ddp(model)  # DDP's forward can broadcast buffers: a collective rank 0 must not start alone
+        model = _unwrap_model(model)  # DDP's forward can broadcast buffers: a collective rank 0 must not start alone
 
         def score(batch):
             logits, labels = self.forward_one(model, batch)
@@ -4401,7 +4410,7 @@ class TrainingTelemetry:
             return None
         self.step += taken
         if self._active() and self._reference.initial_pending:
-            self._capture_initial(_unwrap_ddp(model), optimizer)
+            self._capture_initial(_unwrap_model(model), optimizer)
         if not self._schedule.take_due(batch_idx) or not self._active():
             if 0 < self._silent_warn_step <= self.step and self._active():
                 self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx never reached a "
@@ -4410,7 +4419,7 @@ class TrainingTelemetry:
             return None
         try:
             with _one_cpu_thread():
-                record = self._collect(_unwrap_ddp(model), optimizer, batch_idx, epoch, device, batch, loss,
+                record = self._collect(_unwrap_model(model), optimizer, batch_idx, epoch, device, batch, loss,
                                        scalars)
         except Exception as exc:  # the training loop must never see telemetry fail
             self._alerts.take()
@@ -4442,7 +4451,7 @@ class TrainingTelemetry:
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
         try:
             # For the next on_batch_end call only (it counts self.step up by one).
-            self._gradients.capture(self._layout_for(_unwrap_ddp(model), optimizer), optimizer, self.step + 1)
+            self._gradients.capture(self._layout_for(_unwrap_model(model), optimizer), optimizer, self.step + 1)
             return True
         except Exception as exc:
             if self.config.strict:

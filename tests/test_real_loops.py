@@ -630,3 +630,39 @@ def test_a_float64_model_is_measured_in_float64(tmp_path, pass_threads):
     for r, (_, delta, l1) in zip(records[1:], want[1:]):
         assert r["weight_delta"]["overall"] == pytest.approx(delta, rel=1e-5)
         assert r["param_change"]["l1"] == pytest.approx(l1, rel=1e-5)
+
+
+def test_a_run_resumed_with_torch_compile_is_the_same_run(tmp_path):
+    """torch.compile(model) names the parameters "_orig_mod.*": passed to the hook, the records still name
+    them as the plain model does, so a run resumed with torch.compile added goes on in the same directory and
+    its first delta is measured from the reference the plain run left (against float64 copies)."""
+    x, y = digits()
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    run = tmp_path / "run"
+    kept, want = None, []
+    for phase, hooked in enumerate([model, torch.compile(model, backend="eager")]):
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1))
+        for i in range(3):
+            part = slice((phase * 3 + i) * 32, (phase * 3 + i + 1) * 32)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(hooked(x[part]), y[part])
+            loss.backward()
+            opt.step()
+            now = [p.detach().double().clone() for p in model.parameters()]
+            want.append((torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item(),
+                         None if kept is None else math.sqrt(sum(float((a - b).square().sum())
+                                                                 for a, b in zip(now, kept)))))
+            kept = now
+            tel.on_batch_end(hooked, opt, i, phase, batch=(x[part], y[part]), loss=loss)
+        tel.close()
+    assert not os.path.exists(f"{run}-2")
+    records = read(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and not any("errors" in r for r in records)
+    for r, (norm, delta) in zip(records, want):
+        assert r["gradient_norm"]["overall"] == pytest.approx(norm, rel=1e-5)
+        if delta is not None:
+            assert r["weight_delta"]["overall"] == pytest.approx(delta, rel=1e-5)
+    assert set(records[-1]["grad_profile"]) == {"0", "2"}
+    info = json.loads((run / "run.json").read_text())
+    assert info["groups"]["group_0"]["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
