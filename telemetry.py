@@ -2943,8 +2943,11 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
 
     readers: Dict[str, Callable] = {}
     if config.groups:
-        first = _partition_by_patterns([n for n, _ in every], names, config.groups)
-        frozen_in = _partition_by_patterns([n for n, _ in every], [n for n, _ in frozen], config.groups)
+        # Tied weights (an LM head sharing the embedding's) are one tensor under its first name only.
+        primary = {id(p): n for n, p in every}
+        tied = {n: primary[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if primary[id(p)] != n}
+        first = _partition_by_patterns([n for n, _ in every], names, config.groups, tied)
+        frozen_in = _partition_by_patterns([n for n, _ in every], [n for n, _ in frozen], config.groups, tied)
         for g in dict.fromkeys([*first, *frozen_in]):
             members = [params[i] for i in first.get(g, [])] or [frozen[i][1] for i in frozen_in.get(g, [])]
             readers[g] = majority(members)
@@ -3003,12 +3006,21 @@ def _partition_by_optimizer(params: List[torch.Tensor], opt_index: Dict[int, int
     return {n: idx for n, idx in groups.items() if idx}
 
 
-def _partition_by_patterns(every: List[str], names: List[str], groups: Dict[str, List[str]]) -> Dict[str, List[int]]:
+def _partition_by_patterns(every: List[str], names: List[str], groups: Dict[str, List[str]],
+                           tied: Optional[Dict[str, str]] = None) -> Dict[str, List[int]]:
     """Each of `names` in the first group with a matching pattern; the others in "other" (absent when empty).
-    A pattern that matches no parameter of the model at all (`every`) is a typo: a ValueError naming it."""
+    A pattern that matches no parameter of the model at all (`every`) is a typo: a ValueError naming it.
+    `tied` maps the other names of tied weights to the one name they are counted under: a pattern that
+    matches only such names is an error that says so, not a typo."""
     for group, patterns in groups.items():
         for pattern in patterns:
             if not any(param_matches(name, pattern) for name in every):
+                aliases = [f"{alias} (tied to {name})" for alias, name in (tied or {}).items()
+                           if param_matches(alias, pattern)]
+                if aliases:
+                    raise ValueError(f"groups: pattern {pattern!r} of group {group!r} matches only tied weights: "
+                                     f"{', '.join(aliases[:3])}; a tied tensor is counted once, under the name it "
+                                     "is tied to: put a pattern for that name in the group it belongs to")
                 shown = ", ".join(every[:3]) + (", ..." if len(every) > 3 else "")
                 raise ValueError(f"groups: pattern {pattern!r} of group {group!r} matches no parameter of the "
                                  f"model (its names look like {shown})")

@@ -666,3 +666,45 @@ def test_a_run_resumed_with_torch_compile_is_the_same_run(tmp_path):
     assert set(records[-1]["grad_profile"]) == {"0", "2"}
     info = json.loads((run / "run.json").read_text())
     assert info["groups"]["group_0"]["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_group_patterns_on_tied_weights(tmp_path):
+    """An LM head tied to the embedding is one tensor, counted once under the embedding's name: grouped by
+    that name, its gradient norm is the tied tensor's (both uses summed by autograd); a pattern that names
+    only the head's alias is an error that says it is tied, not "matches no parameter"."""
+    x, _ = digits()
+    ids = (x * 16).round().long()
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(17, 8)
+            self.body = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 17, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, t):
+            return self.head(torch.tanh(self.body(self.emb(t))))
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(groups):
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "_".join(groups)), collect_every_n=1,
+                                                strict=True, groups=groups))
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(ids[:32, :-1]).reshape(-1, 17), ids[:32, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        try:
+            return tel.on_batch_end(model, opt, 0, 0, loss=loss)
+        finally:
+            tel.close()
+
+    r = step({"embed": ["emb"], "body": ["body"]})
+    assert float(r["gradient_norm"]["embed"]) == pytest.approx(model.emb.weight.grad.norm().item(), rel=1e-6)
+    assert float(r["gradient_norm"]["overall"]) == pytest.approx(
+        torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item(), rel=1e-6)
+    with pytest.raises(ValueError, match=r"'head' matches only tied weights: head\.weight \(tied to emb\.weight\)"):
+        step({"embed": ["emb"], "head": ["head"]})
