@@ -3868,7 +3868,12 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
     elif key is not None:
         stats = label_balance(batch[key], key)
     elif isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
-        stats = label_balance(batch[-1], label_key or "label")
+        labels = batch[-1]
+        if per_token_labels(batch[0], labels):  # (ids, targets) of a language model: token counts
+            stats = {"batch_size": int(labels.shape[0]), "tokens": int(labels.numel()),
+                     "label_share": (labels != IGNORE_INDEX).float().mean()}
+        else:
+            stats = label_balance(labels, label_key or "label")
     else:
         stats = {"batch_size": batch_size_of(batch)}
     inputs = next((t for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(
@@ -3876,6 +3881,15 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
     if inputs is not None:
         stats["fingerprint"] = batch_fingerprint(inputs)
     return stats
+
+
+def per_token_labels(inputs: Any, labels: torch.Tensor) -> bool:
+    """Integer labels of the same [batch, seq] shape as integer inputs: a language model's next tokens (or a
+    tagger's tags), one per token. Their shares follow the text, not the sampler, so they are not
+    balanced as classes (a character LM's spaces and e's would read as class imbalance)."""
+    return isinstance(inputs, torch.Tensor) and inputs is not labels and labels.dim() >= 2 \
+        and inputs.shape == labels.shape and not inputs.is_floating_point() and not labels.is_floating_point() \
+        and labels.dtype != torch.bool
 
 
 def batch_fingerprint(inputs: torch.Tensor) -> List[torch.Tensor]:

@@ -708,3 +708,54 @@ def test_group_patterns_on_tied_weights(tmp_path):
         torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item(), rel=1e-6)
     with pytest.raises(ValueError, match=r"'head' matches only tied weights: head\.weight \(tied to emb\.weight\)"):
         step({"embed": ["emb"], "head": ["head"]})
+
+
+def test_a_language_models_token_batches_are_counted_as_tokens_not_classes(tmp_path):
+    """A character-level LM (nanoGPT's (ids, next ids) batches) on the digits' pixel values as tokens, its
+    head tied to the embedding: per-token targets follow the text, so the batches are counted as tokens with
+    their supervised share, not as 17 classes; the analyzer finds no class imbalance (pixel 0 is half the
+    tokens), and the tied weight is counted once in the gradient norm."""
+    x, _ = digits()
+    tokens = (x * 16).round().long()
+    ids, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[:, :8] = -100  # a prompt the loss skips
+
+    class TinyLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(17, 16)
+            self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+            self.head = nn.Linear(16, 17, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, t):
+            return self.head(self.body(self.emb(t)))
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = str(tmp_path / "run")
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1))
+    tel.set_holdout_data((ids[-64:], targets[-64:]))
+    norms = []
+    for i in range(12):
+        batch = (ids[i * 32:(i + 1) * 32], targets[i * 32:(i + 1) * 32])
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(batch[0]).reshape(-1, 17), batch[1].reshape(-1))
+        loss.backward()
+        opt.step()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
+    tel.close()
+    records = read(run)
+    assert len(records) == 12 and not any("errors" in r for r in records)
+    for i, (r, norm) in enumerate(zip(records, norms)):
+        labels = targets[i * 32:(i + 1) * 32]
+        stats = r["batch_stats"]
+        assert "counts" not in stats and stats["batch_size"] == 32 and stats["tokens"] == labels.numel()
+        assert stats["label_share"] == pytest.approx((labels != -100).double().mean().item(), rel=1e-6)
+        assert r["gradient_norm"]["overall"] == pytest.approx(norm, rel=1e-5)
+    assert records[-1]["holdout_logits"]["kind"] == "lm"
+    import analyze_telemetry as at
+    found = at.every_finding(at.diagnose(at.load_run(run)))
+    assert "class_imbalance" not in {f.code for f in found}, found
