@@ -3746,12 +3746,32 @@ class _ReferenceStore:
         return self._sound(self.checkpoint, named, "reference", "the delta restarts here")
 
     def initial_for(self, named: List[tuple], step: int) -> Optional[str]:
-        """The W_0 file of drift: kept while it matches the model (across resumes too), else written now."""
+        """The W_0 file of drift: kept while it matches the model (across resumes too), else written now,
+        keeping the W_0 of every tensor the old file holds."""
         path = self.initial
-        if os.path.lexists(path) and self._sound(path, named, "initial", "drift restarts from here")[0]:
-            return path
+        if os.path.lexists(path):
+            if self._sound(path, named, "initial", "the drift of tensors it lacks is measured from here")[0]:
+                return path
+            named = self._keep_initial(path, named)
         self.headers.write(self.files.write, path, named, None, {"step": str(step)})
         return path if not self.files.stopped and os.path.exists(path) else None
+
+    def _keep_initial(self, path: str, named: List[tuple]) -> List[tuple]:
+        """`named` with the W_0 that the old file holds in place of those tensors (same name, shape and dtype).
+        The trainable set changes mid-run (a group added to the optimizer, a layer unfrozen or frozen): the
+        tensors that were there keep their drift from the start, and only those that joined start theirs now.
+        The file is mapped, not copied; the rewrite goes to another file, replaced atomically."""
+        try:
+            header = self.headers.info(path)[0]
+        except (OSError, ValueError):  # damaged: _sound warned, and every tensor starts here
+            return named
+        held = [n for n, t in named if n in header and header[n]["shape"] == list(t.shape)
+                and header[n]["dtype"] == _DTYPE_CODES.get(t.dtype)]
+        if not held:
+            return named
+        views, _ = map_tensor_file(path, held)
+        old = dict(zip(held, views))
+        return [(n, old.get(n, t)) for n, t in named]
 
     def _sound(self, path: str, named: List[tuple], what: str, then: str) -> tuple:
         try:

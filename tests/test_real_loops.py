@@ -759,3 +759,45 @@ def test_a_language_models_token_batches_are_counted_as_tokens_not_classes(tmp_p
     import analyze_telemetry as at
     found = at.every_finding(at.diagnose(at.load_run(run)))
     assert "class_imbalance" not in {f.code for f in found}, found
+
+
+def test_progressive_unfreezing_keeps_the_drift_of_groups_already_training(tmp_path):
+    """A head trained alone, then the body unfrozen and added with optimizer.add_param_group: the head's drift
+    still counts from the first call (against float64 copies), the body's from the collection that first holds
+    it, and the overall drift adds them up; the delta across the change is null, never a wrong number."""
+    x, y = digits()
+    model = mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([{"params": model[2].parameters(), "name": "head"}], lr=0.2, momentum=0.9)
+    run = str(tmp_path / "run")
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1))
+    start, want = {}, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(8):
+            if i == 4:
+                model[0].requires_grad_(True)
+                opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.02, "name": "body"})
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[i * 32:(i + 1) * 32]), y[i * 32:(i + 1) * 32])
+            loss.backward()
+            opt.step()
+            drift = {}
+            for group in opt.param_groups:
+                sq = 0.0
+                for p in group["params"]:
+                    w = p.detach().double().clone()
+                    sq += float((w - start.setdefault(id(p), w)).square().sum())
+                drift[group["name"]] = sq
+            want.append(drift)
+            tel.on_batch_end(model, opt, i, 0, batch=(x, y), loss=loss)
+    tel.close()
+    records = read(run)
+    assert len(records) == 8 and not any("errors" in r for r in records)
+    for r, drift in zip(records, want):
+        for group, sq in drift.items():
+            assert r["drift"][group] == pytest.approx(math.sqrt(sq), rel=1e-5, abs=1e-7), (r["step"], group)
+        assert r["drift"]["overall"] == pytest.approx(math.sqrt(sum(drift.values())), rel=1e-5)
+    assert records[4]["weight_delta"]["overall"] is None and records[5]["weight_delta"]["overall"] > 0
+    assert records[3]["drift"]["head"] > 0.1  # the head had moved before the body joined
+    assert any("the drift of tensors it lacks is measured from here" in str(w.message) for w in caught)
