@@ -4371,6 +4371,7 @@ class TrainingTelemetry:
         self._metrics: Dict[str, Callable] = {}  # add_metric: name -> fn(model, optimizer, context)
         self._layout: Optional[_Layout] = None  # rebuilt when the model, optimizer or trainable set change
         self._optimizer_lists: Dict[tuple, _Optimizers] = {}  # several optimizers passed as a list, kept as one
+        self._passed: List[Any] = []  # weak references to the optimizers passed, the latest last
         self._ranks: Any = _Replicated(*_rank_and_world(), "none")
         self._ranks_key: Any = None
         self._off = False  # the ranks disagree: telemetry is off on every rank
@@ -4441,6 +4442,7 @@ class TrainingTelemetry:
             raise ValueError(f"on_batch_end: loss= has {loss.numel()} values (shape {list(loss.shape)}); pass the "
                              "one number the optimizer stepped on, e.g. loss.mean() for a per-example loss")
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
+        self._check_turns(optimizer)
         taken = self._schedule.advance(optimizer, batch_idx)
         # A step the GradScaler skipped (inf/NaN gradients) is still a step of the loop, as the HF Trainer's and
         # Lightning's step counts have it: recorded, its gradients null and marked, raising no alert of its own.
@@ -4479,6 +4481,24 @@ class TrainingTelemetry:
             for alert in new:
                 self.on_alert(dict(alert, step=record["step"]))
         return record
+
+    def _check_turns(self, optimizer: Any) -> None:
+        """Warn when optimizers are passed in turn (a GAN's on_batch_end after each of its two steps): each
+        call sees its own optimizer's groups only, so the records alternate between them, steps count twice
+        and every collection's weight delta restarts. An optimizer that replaces another for good (rebuilt
+        after unfreezing) is not a turn: the old one never comes back, or is gone (weak references)."""
+        if optimizer is None or (self._passed and self._passed[-1]() is optimizer):
+            return  # the same one as last time: every call of a plain loop, so this stays cheap
+        live = [r for r in self._passed if r() is not None]
+        if any(r() is optimizer for r in live):
+            self._warn("turns", "telemetry: on_batch_end gets different optimizers in turn for one model; each "
+                                "call sees only its optimizer's groups, so the records alternate between them and "
+                                "the weight deltas restart at every collection. Call it once per step, after all "
+                                "of them stepped, with them as a list: on_batch_end(model, [opt_a, opt_b], ...)")
+        try:
+            self._passed = [r for r in live if r() is not optimizer][-7:] + [weakref.ref(optimizer)]
+        except TypeError:  # not weak-referenceable: not tracked
+            pass
 
     def set_grad_scaler(self, scaler: Any) -> None:
         """Record a torch.amp.GradScaler's scale and skipped steps (`grad_scaler`), and keep gradient norms

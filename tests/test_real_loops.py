@@ -801,3 +801,63 @@ def test_progressive_unfreezing_keeps_the_drift_of_groups_already_training(tmp_p
     assert records[4]["weight_delta"]["overall"] is None and records[5]["weight_delta"]["overall"] > 0
     assert records[3]["drift"]["head"] > 0.1  # the head had moved before the body joined
     assert any("the drift of tensors it lacks is measured from here" in str(w.message) for w in caught)
+
+
+def test_a_gan_calling_the_hook_after_each_optimizer_is_warned(tmp_path):
+    """A GAN on the digits: called once per step with both optimizers as a list, each one's group norm is its
+    own model's gradient then (get_total_norm) and nothing is warned; called after each optimizer's step in
+    turn, the records would alternate between D's and G's groups and never hold a delta: a warning says so,
+    once. An optimizer rebuilt for good (after unfreezing) is not a turn."""
+    x, y = digits()
+    bce = nn.functional.binary_cross_entropy_with_logits
+
+    def gan(run, as_list):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"G": nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 64), nn.Sigmoid()),
+                               "D": nn.Sequential(nn.Linear(64, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))})
+        opt_d = torch.optim.Adam(model["D"].parameters(), lr=2e-3, betas=(0.5, 0.999))
+        opt_g = torch.optim.Adam(model["G"].parameters(), lr=2e-3, betas=(0.5, 0.999))
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / run), collect_every_n=1))
+        norms = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(6):
+                real, fake = x[i * 32:(i + 1) * 32], model["G"](torch.randn(32, 8))
+                opt_d.zero_grad()
+                loss_d = bce(model["D"](real), torch.ones(32, 1)) + bce(model["D"](fake.detach()), torch.zeros(32, 1))
+                loss_d.backward()
+                opt_d.step()
+                if not as_list:
+                    tel.on_batch_end(model, opt_d, i, 0, loss=loss_d)
+                opt_g.zero_grad()
+                loss_g = bce(model["D"](fake), torch.ones(32, 1))
+                loss_g.backward()
+                opt_g.step()
+                norms.append([torch.nn.utils.get_total_norm([p.grad for p in model[k].parameters()]).item()
+                              for k in "DG"])
+                tel.on_batch_end(model, [opt_d, opt_g] if as_list else opt_g, i, 0, loss=loss_g)
+        tel.close()
+        return read(tmp_path / run), norms, [str(w.message) for w in caught if "in turn" in str(w.message)]
+
+    records, norms, turns = gan("list", as_list=True)
+    assert not turns and len(records) == 6
+    for r, (d, g) in zip(records, norms):
+        assert r["gradient_norm"]["group_0"] == pytest.approx(d, rel=1e-5)
+        assert r["gradient_norm"]["group_1"] == pytest.approx(g, rel=1e-5)
+        assert r["gradient_norm"]["overall"] == pytest.approx(math.hypot(d, g), rel=1e-5)
+    assert all(r["weight_delta"]["overall"] > 0 for r in records[1:])
+    _, _, turns = gan("in_turn", as_list=False)
+    assert len(turns) == 1 and "[opt_a, opt_b]" in turns[0]
+
+    model = mlp()
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "rebuilt"), collect_every_n=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+        for i in range(6):
+            if i == 3:
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)  # `kept` keeps the old one alive
+            train_steps(model, opt, x[i * 32:], y[i * 32:], steps=1)
+            tel.on_batch_end(model, opt, i, 0)
+    tel.close()
+    assert kept is not opt and not [w for w in caught if "in turn" in str(w.message)]
