@@ -1255,6 +1255,12 @@ def check_not_learning(run: Run) -> list:
     untrained, _ = _chance_losses(run)
     if untrained and t.last < 0.5 * untrained:
         return []   # it learned before the first collection: still weights at the end of an annealed run
+    if any(late >= 0.99 and first >= DEAD_SHARE for _, late, first, *_ in _unhealthy_units(run, "dead", DEAD_SHARE)):
+        # A ReLU layer dead from the first collection on passes no gradient: the layers before it get none and
+        # those after it see a constant, so the weights stand still whatever the optimizer and learning rate.
+        # dead_units names that cause (and takes the holdout at chance under it); "raise the learning rate"
+        # would not help.
+        return []
     level = f", the level of a model that knows nothing is {_fmt(untrained)}" if untrained else ""
     return [Finding(
         "not_learning", "critical",
@@ -1352,7 +1358,11 @@ def check_loss_oscillating(run: Run) -> list:
     if len(x) < 10:
         return []
     half = x[len(x) // 2:]
-    swing = float(np.median(np.abs(np.diff(half))))
+    # The jumps around the half's own drift: a holdout loss that climbs steadily (a holdout from other data
+    # than the train batches, getting worse as the model learns those) moves by as much at every collection,
+    # but in one direction; steps that overshoot send it up and down.
+    d = np.diff(half)
+    swing = float(np.median(np.abs(d - np.median(d))))
     scale = max(float(x[0]), _chance_losses(run)[0] or 0.0)
     # A tenth of the starting loss between two collections, typically: the healthy corpus runs stay under
     # 3% (their holdout loss moves smoothly once the first steps are done).
@@ -1842,11 +1852,22 @@ def _holdout_loss_rise(h: Holdout):
     found = _best_and_end(h.loss, h.steps, np.argmin)
     if found is None:
         return None
-    best, end, where, x, _ = found
+    best, end, where, x, evaluations = found
     late = x[len(x) // 2:]
     wobble = max(_noise_sd(late), _noise_sd(late, lag=max(1, len(x) // 20)))
-    if end - best < max(6 * wobble, 0.2 * abs(best), 1e-12):
+    margin = max(6 * wobble, 0.2 * abs(best), 1e-12)
+    if end - best < margin:
         return None
+    # The wobble is the same examples' loss over time; whether other data would rise too depends on how many
+    # examples carry the rise. One example turning confidently wrong (a loss of 1-20 against ~0 for the rest)
+    # lifts the mean of a 30-example holdout past the margin alone, while the others stay where they were,
+    # and says nothing about a fresh test set: without its largest contributor, the rest of the holdout must
+    # still rise beyond the wobble.
+    per = [_example_losses(h.raw[i]) if i < len(h.raw) else None for i in evaluations]
+    if all(p is not None for p in per) and len(per[0]) == len(per[1]) >= 5:
+        rise = per[1] - per[0]
+        if np.isfinite(rise).all() and (rise.sum() - rise.max()) / len(rise) < max(6 * wobble, 1e-12):
+            return None
     return (f"holdout loss rose from its best {_fmt(best)} at step {where[0]} to {_fmt(end)} ({end / best:.2f}x; "
             f"its wobble is {_fmt(wobble)})" if best > 0 else
             f"holdout loss rose from its best {_fmt(best)} at step {where[0]} to {_fmt(end)}"), where
@@ -2019,6 +2040,43 @@ def _train_shares(run: Run):
     return names + unseen, shares, len(sizes), st
 
 
+def _rare_classes_neglected(h: Holdout, labels: list, shares: np.ndarray):
+    """(True/False, text) whether the holdout's examples of the classes rarer than even in the train batches
+    are recognised far less often than those of the other classes, over the last quarter of its evaluations
+    (at least the last three); None where the holdout cannot tell (no per-example data, or fewer than 5
+    examples on either side)."""
+    if h is None or h.kind != "classification" or h.correct is None or h.labels is None \
+            or h.correct.shape[0] != len(h.labels) or not h.correct.shape[1]:
+        return None
+    rare = []
+    for c, share in zip(labels, shares):
+        try:
+            rare.append(int(c)) if share < 1.0 / len(labels) else None
+        except ValueError:
+            return None
+    is_rare = np.isin(h.labels, rare)
+    if is_rare.sum() < 5 or (~is_rare).sum() < 5:
+        return None
+    right = h.correct[:, -max(3, h.correct.shape[1] // 4):].astype(float).mean(axis=1)
+    r_rare, r_common = float(right[is_rare].mean()), float(right[~is_rare].mean())
+    # Two binomial sigmas of the rare classes' recall (the fewer examples) at the two recalls' mean, and 10
+    # points: class weights or a balanced sampler bring the rare classes' recall up to the others'.
+    margin = max(0.1, 2 * _sigma((r_rare + r_common) / 2, int(is_rare.sum())))
+    return (r_common - r_rare > margin,
+            f"the holdout's {int(is_rare.sum())} examples of the rarer classes are {r_rare:.0%} right, those of the "
+            f"others {r_common:.0%}")
+
+
+def _train_set_size(run: Run):
+    """Examples in an epoch of train batches (the batch size times the optimizer steps per epoch, from the
+    epoch numbers the loop passed), or None where the epoch never advances."""
+    ep, st, size = column(run, "epoch"), steps(run), column(run, "batch_stats.batch_size")
+    ok = np.isfinite(ep) & np.isfinite(size) & (size > 0)
+    if ok.sum() < 2 or ep[ok][-1] - ep[ok][0] < 1 or st[ok][-1] <= st[ok][0]:
+        return None
+    return float(np.median(size[ok])) * (st[ok][-1] - st[ok][0]) / (ep[ok][-1] - ep[ok][0])
+
+
 def check_class_imbalance(run: Run) -> list:
     """The train batches' label shares far from balanced, or far from the holdout's."""
     found = _train_shares(run)
@@ -2035,16 +2093,32 @@ def check_class_imbalance(run: Run) -> list:
     h = holdout_data(run)
     apart = None
     if h and h.kind == "classification" and h.labels is not None and len(h.labels) >= 20:
+        n_h, n_t = len(h.labels), _train_set_size(run)
         for c, share in zip(labels, shares):
             try:
                 hs = float(np.mean(h.labels == int(c)))
             except ValueError:
                 continue
-            if abs(share - hs) > max(0.15, 3 * _sigma(hs, len(h.labels))):
+            # Two samples of one distribution differ by chance: the holdout's few examples, and the train set
+            # the batches come from (a small one, repeated every epoch, is no larger a sample for its many
+            # batches). The spread of their difference at the pooled share, not at the holdout's own share
+            # (at a share near 0 that spread vanishes), so that a 30-example holdout split at random off a
+            # balanced 150-example set is not called another distribution.
+            p = (share * n_t + hs * n_h) / (n_t + n_h) if n_t else share
+            spread = math.sqrt(max(p * (1 - p), 1e-6) * (1 / n_h + (1 / n_t if n_t else 0)))
+            if abs(share - hs) > max(0.15, 3 * spread):
                 apart = f"class {c} is {share:.1%} of train batches but {hs:.1%} of the holdout"
                 break
     if apart:
         reasons.append(apart)
+    elif reasons:
+        # Batches as uneven as the holdout (the data is imbalanced, not the sampler): that harms only where the
+        # model neglects the rare classes. Class weights or a balanced sampler handle it; the holdout tells.
+        neglected = _rare_classes_neglected(h, labels, shares)
+        if neglected is not None:
+            if not neglected[0]:
+                return []
+            reasons.append(neglected[1])
     if not reasons:
         return []
     # Only train shares far from the holdout's make the holdout look worse as the model learns them; an

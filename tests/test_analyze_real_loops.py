@@ -266,3 +266,157 @@ def test_regression_holdout_healthy_and_plotted(tmp_path, capsys):
     assert "accuracy (the holdout is regression: no accuracy to draw" in text
     for name in ("loss.png", "holdout_heatmap.png", "gradient_norm.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+# ---- calibration: real sklearn runs whose first finding used to name the wrong cause ---------------
+
+def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, every=10, seed=0,
+                class_weights=False, init=None):
+    """An MLP (ReLU) trained with Adam on (x, y) with the real TrainingTelemetry; `holdout` = (x, y) given to
+    set_holdout_data. Returns the model."""
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    torch.manual_seed(seed)
+    layers, d = [], x.shape[1]
+    for h in hidden:
+        layers += [nn.Linear(d, h), nn.ReLU()]
+        d = h
+    model = nn.Sequential(*layers, nn.Linear(d, int(y.max()) + 1))
+    if init:
+        init(model)
+    weight = None
+    if class_weights:   # the usual handling of imbalanced data: each class weighs total / (classes * count)
+        counts = torch.bincount(y).float()
+        weight = counts.sum() / (len(counts) * counts)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=every,
+                                            holdout_size=len(holdout[1])))
+    tel.set_holdout_data(holdout)
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = len(y) // batch   # as DataLoader(shuffle=True, drop_last=True)
+    for i in range(1, steps + 1):
+        if (i - 1) % per_epoch == 0:
+            order = torch.randperm(len(y), generator=gen)
+        idx = order[(i - 1) % per_epoch * batch:][:batch]
+        loss = F.cross_entropy(model(x[idx]), y[idx], weight=weight)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, (i - 1) // per_epoch, batch=(x[idx], y[idx]), loss=loss.item())
+    tel.close()
+    return model
+
+
+def standardized(loader, seed=0, fit=None):
+    """(x, y, raw x) of a bundled sklearn data set, shuffled, features standardised with the statistics of
+    the first `fit` examples (the train split; default all)."""
+    x, y = loader(return_X_y=True)
+    order = np.random.RandomState(seed).permutation(len(y))
+    x, y = x[order].astype(np.float32), y[order]
+    z = (x - x[:fit].mean(0)) / (x[:fit].std(0) + 1e-6)
+    return torch.tensor(z), torch.tensor(y).long(), torch.tensor(x)
+
+
+def test_a_holdout_loss_that_climbs_steadily_is_no_oscillation(tmp_path):
+    """The holdout got the raw features, the train batches standardised ones: the holdout loss climbs by
+    about as much at every collection as the model learns the train data (which it does: the test set
+    scores ~98%). That is a holdout from other data, at chance; a loss_oscillating finding ("lower the
+    learning rate") ranked first named the wrong cause."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y, raw = standardized(load_breast_cancer)
+    model = sklearn_run(tmp_path / "r", x[:300], y[:300], (raw[300:360], y[300:360]))
+    with torch.no_grad():
+        test_acc = (model(x[360:]).argmax(1) == y[360:]).float().mean().item()
+    assert test_acc > 0.93   # the training itself is healthy
+    _, found = codes(tmp_path / "r")
+    assert "loss_oscillating" not in found, found["loss_oscillating"].message
+    top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
+    assert top[0].code == "holdout_at_chance", [(f.code, f.message) for f in top]
+
+
+def test_relu_layers_dead_from_the_start_are_the_cause_not_the_optimizer(tmp_path):
+    """Biases at -3 on standardised wine features: every hidden ReLU is dead from the first step, so no
+    gradient reaches the weights and they stand still. dead_units is the cause; not_learning (with its
+    "raise the learning rate" hint) ranked first named the wrong one."""
+    from sklearn.datasets import load_wine
+
+    x, y, _ = standardized(load_wine)
+
+    def dead(model):
+        with torch.no_grad():
+            for m in model[:-1]:
+                if isinstance(m, nn.Linear):
+                    m.bias.fill_(-3.0)
+    run = dict(hidden=(64, 64), batch=8, lr=3e-4)   # Adam at 3e-4 is no learning rate too low:
+    healthy = sklearn_run(tmp_path / "control", x[:100], y[:100], (x[100:130], y[100:130]), **run)
+    model = sklearn_run(tmp_path / "r", x[:100], y[:100], (x[100:130], y[100:130]), init=dead, **run)
+    with torch.no_grad():
+        assert (healthy(x[130:]).argmax(1) == y[130:]).float().mean().item() > 0.9   # the same run, alive
+        assert (model[:4](x[130:]) > 0).float().mean().item() == 0   # dead on fresh data too
+    top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
+    assert top[0].code == "dead_units", [(f.code, f.message) for f in top]
+    assert "not_learning" not in {f.code for f in at.every_finding(top)}
+    assert top[0].severity == "critical"   # it takes the holdout at chance under it
+
+
+def test_imbalanced_data_handled_with_class_weights_is_quiet(tmp_path):
+    """90/10 data, batches and holdout alike, trained with class weights: the holdout's rare examples are
+    recognised about as well as the common ones (the test set's recall too), so the imbalance does no harm
+    and a class_imbalance warning was a false alarm. A linear model on barely separable 85/15 data without
+    weights ends up predicting the common class: there the warning stands, and says so."""
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(n_samples=3000, n_features=20, n_informative=8, weights=[0.9, 0.1],
+                               random_state=0)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y)
+    model = sklearn_run(tmp_path / "weighted", x[:1500], y[:1500], (x[1500:1600], y[1500:1600]), hidden=(64,),
+                        batch=32, steps=800, class_weights=True)
+    with torch.no_grad():
+        pred, truth = model(x[1600:]).argmax(1), y[1600:]
+    recall = [(pred[truth == c] == c).float().mean().item() for c in (0, 1)]
+    assert min(recall) > 0.8, recall
+    _, found = codes(tmp_path / "weighted")
+    assert not {c for c, f in found.items() if f.severity != "info"}, {c: f.message for c, f in found.items()}
+
+    x, y = make_classification(n_samples=3000, n_features=20, n_informative=4, weights=[0.85, 0.15],
+                               class_sep=0.4, random_state=0)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y)
+    sklearn_run(tmp_path / "neglected", x[:1500], y[:1500], (x[1500:1700], y[1500:1700]), hidden=(), lr=1e-3,
+                batch=32)
+    _, found = codes(tmp_path / "neglected")
+    assert "class_imbalance" in found and "examples of the rarer classes are" in found["class_imbalance"].message
+
+
+def test_one_holdout_example_turning_wrong_is_not_overfitting(tmp_path):
+    """Full-batch Adam on wine: the train loss goes to ~0 and so does the loss on the 48 fresh examples, but one of the 30 holdout examples turns confidently wrong (its loss ~1) and lifts the holdout's
+    mean loss 1.6x on its own, the other 29 unchanged. That is one example, not the data: no overfitting."""
+    from sklearn.datasets import load_wine
+
+    x, y, _ = standardized(load_wine, fit=100)
+    model = sklearn_run(tmp_path / "r", x[:100], y[:100], (x[100:130], y[100:130]), lr=1e-2, batch=100,
+                        steps=300)
+    with torch.no_grad():   # the fresh examples: all right, and a loss near 0
+        assert (model(x[130:]).argmax(1) == y[130:]).float().mean().item() > 0.95
+        assert F.cross_entropy(model(x[130:]), y[130:]).item() < 0.02
+    h = at.holdout_data(at.load_run(tmp_path / "r", progress=False))
+    assert h.loss[-1] > 1.3 * np.nanmin(h.loss)   # the holdout's mean loss did rise
+    _, found = codes(tmp_path / "r")
+    assert "overfitting" not in found, found["overfitting"].message
+
+
+def test_a_small_holdout_split_at_random_is_not_another_distribution(tmp_path):
+    """Iris (50 of each class) split at random 80 / 30 / 40: the holdout happens to get 4 of class 1 (13%),
+    the train set 32 of 80 (40%). Under 3 sigmas apart for two samples of 30 and 80 of one distribution:
+    a fluke of the split, not a mismatch (the model scores 95% on the other 40); the spread of the shares' difference must count
+    both samples, at their pooled share."""
+    from sklearn.datasets import load_iris
+
+    x, y, _ = standardized(load_iris, fit=80)
+    assert (y[80:110] == 1).sum().item() == 4 and (y[:80] == 1).sum().item() == 32
+    model = sklearn_run(tmp_path / "r", x[:80], y[:80], (x[80:110], y[80:110]), hidden=(16,), lr=1e-2,
+                        steps=800)
+    with torch.no_grad():
+        assert (model(x[110:]).argmax(1) == y[110:]).float().mean().item() >= 0.9
+    _, found = codes(tmp_path / "r")
+    assert "class_imbalance" not in found, found["class_imbalance"].message

@@ -185,7 +185,8 @@ def test_loss_oscillating(tmp_path, digits):
     top, found = first_loud(train(tmp_path / "r", digits, mlp(), lr=0.5, opt="sgd", steps=150, every=5))
     assert top.code == "loss_oscillating", [(f.code, f.message) for f in found]
     h = at.holdout_data(at.load_run(tmp_path / "r", progress=False))
-    swings = np.abs(np.diff(h.loss[len(h.loss) // 2:]))
+    d = np.diff(h.loss[len(h.loss) // 2:])
+    swings = np.abs(d - np.median(d))   # around the half's own drift: a steady climb is no swing
     assert f"median {at._fmt(float(np.median(swings)))}" in top.message
 
 
