@@ -4372,6 +4372,7 @@ class TrainingTelemetry:
         self._layout: Optional[_Layout] = None  # rebuilt when the model, optimizer or trainable set change
         self._optimizer_lists: Dict[tuple, _Optimizers] = {}  # several optimizers passed as a list, kept as one
         self._passed: List[Any] = []  # weak references to the optimizers passed, the latest last
+        self._last_passed = id(None)  # id() of the optimizer of the last call
         self._ranks: Any = _Replicated(*_rank_and_world(), "none")
         self._ranks_key: Any = None
         self._off = False  # the ranks disagree: telemetry is off on every rank
@@ -4442,7 +4443,8 @@ class TrainingTelemetry:
             raise ValueError(f"on_batch_end: loss= has {loss.numel()} values (shape {list(loss.shape)}); pass the "
                              "one number the optimizer stepped on, e.g. loss.mean() for a per-example loss")
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
-        self._check_turns(optimizer)
+        if id(optimizer) != self._last_passed:  # the same one as last time: every call of a plain loop
+            self._check_turns(optimizer)
         taken = self._schedule.advance(optimizer, batch_idx)
         # A step the GradScaler skipped (inf/NaN gradients) is still a step of the loop, as the HF Trainer's and
         # Lightning's step counts have it: recorded, its gradients null and marked, raising no alert of its own.
@@ -4487,8 +4489,9 @@ class TrainingTelemetry:
         call sees its own optimizer's groups only, so the records alternate between them, steps count twice
         and every collection's weight delta restarts. An optimizer that replaces another for good (rebuilt
         after unfreezing) is not a turn: the old one never comes back, or is gone (weak references)."""
+        self._last_passed = id(optimizer)
         if optimizer is None or (self._passed and self._passed[-1]() is optimizer):
-            return  # the same one as last time: every call of a plain loop, so this stays cheap
+            return
         live = [r for r in self._passed if r() is not None]
         if any(r() is optimizer for r in live):
             self._warn("turns", "telemetry: on_batch_end gets different optimizers in turn for one model; each "
