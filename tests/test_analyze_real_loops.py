@@ -389,8 +389,9 @@ def test_imbalanced_data_handled_with_class_weights_is_quiet(tmp_path):
 
 
 def test_one_holdout_example_turning_wrong_is_not_overfitting(tmp_path):
-    """Full-batch Adam on wine: the train loss goes to ~0 and so does the loss on the 48 fresh examples, but one of the 30 holdout examples turns confidently wrong (its loss ~1) and lifts the holdout's
-    mean loss 1.6x on its own, the other 29 unchanged. That is one example, not the data: no overfitting."""
+    """Full-batch Adam on wine: the train loss goes to ~0 and so does the loss on the 48 fresh examples, but
+    one of the 30 holdout examples turns confidently wrong (its loss ~1) and lifts the holdout's mean loss
+    1.6x on its own, the other 29 unchanged. That is one example, not the data: no overfitting."""
     from sklearn.datasets import load_wine
 
     x, y, _ = standardized(load_wine, fit=100)
@@ -408,8 +409,8 @@ def test_one_holdout_example_turning_wrong_is_not_overfitting(tmp_path):
 def test_a_small_holdout_split_at_random_is_not_another_distribution(tmp_path):
     """Iris (50 of each class) split at random 80 / 30 / 40: the holdout happens to get 4 of class 1 (13%),
     the train set 32 of 80 (40%). Under 3 sigmas apart for two samples of 30 and 80 of one distribution:
-    a fluke of the split, not a mismatch (the model scores 95% on the other 40); the spread of the shares' difference must count
-    both samples, at their pooled share."""
+    a fluke of the split, not a mismatch (the model scores 95% on the other 40); the spread of the shares'
+    difference must count both samples, at their pooled share."""
     from sklearn.datasets import load_iris
 
     x, y, _ = standardized(load_iris, fit=80)
