@@ -1558,9 +1558,13 @@ def reference_matches(path: str, named: List[tuple]) -> bool:
 
 
 def header_matches(header: Dict[str, Any], named: List[tuple]) -> bool:
-    return len(header) == len(named) and all(
-        n in header and header[n]["shape"] == list(t.shape) and header[n]["dtype"] == _DTYPE_CODES.get(t.dtype)
-        for n, t in named)
+    return len(header) == len(named) and all(header_holds(header, n, t) for n, t in named)
+
+
+def header_holds(header: Dict[str, Any], name: str, t: torch.Tensor) -> bool:
+    """Whether the file's header has a tensor `name` of t's shape and dtype."""
+    meta = header.get(name)
+    return meta is not None and meta["shape"] == list(t.shape) and meta["dtype"] == _DTYPE_CODES.get(t.dtype)
 
 
 def map_tensor_file(path: str, names: List[str], info: Optional[tuple] = None) -> tuple:
@@ -3762,14 +3766,13 @@ class _ReferenceStore:
         tensors that were there keep their drift from the start, and only those that joined start theirs now.
         The file is mapped, not copied; the rewrite goes to another file, replaced atomically."""
         try:
-            header = self.headers.info(path)[0]
+            info = self.headers.info(path)
         except (OSError, ValueError):  # damaged: _sound warned, and every tensor starts here
             return named
-        held = [n for n, t in named if n in header and header[n]["shape"] == list(t.shape)
-                and header[n]["dtype"] == _DTYPE_CODES.get(t.dtype)]
+        held = [n for n, t in named if header_holds(info[0], n, t)]
         if not held:
             return named
-        views, _ = map_tensor_file(path, held)
+        views, _ = map_tensor_file(path, held, info)
         old = dict(zip(held, views))
         return [(n, old.get(n, t)) for n, t in named]
 
@@ -3890,8 +3893,7 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
     elif isinstance(batch, (tuple, list)) and batch and isinstance(batch[-1], torch.Tensor):
         labels = batch[-1]
         if per_token_labels(batch[0], labels):  # (ids, targets) of a language model: token counts
-            stats = {"batch_size": int(labels.shape[0]), "tokens": int(labels.numel()),
-                     "label_share": (labels != IGNORE_INDEX).float().mean()}
+            stats = token_balance({"input_ids": batch[0], "labels": labels})
         else:
             stats = label_balance(labels, label_key or "label")
     else:
@@ -4490,7 +4492,7 @@ class TrainingTelemetry:
         and every collection's weight delta restarts. An optimizer that replaces another for good (rebuilt
         after unfreezing) is not a turn: the old one never comes back, or is gone (weak references)."""
         self._last_passed = id(optimizer)
-        if optimizer is None or (self._passed and self._passed[-1]() is optimizer):
+        if optimizer is None:
             return
         live = [r for r in self._passed if r() is not None]
         if any(r() is optimizer for r in live):
