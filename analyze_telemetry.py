@@ -1855,8 +1855,7 @@ def _holdout_loss_rise(h: Holdout):
     best, end, where, x, evaluations = found
     late = x[len(x) // 2:]
     wobble = max(_noise_sd(late), _noise_sd(late, lag=max(1, len(x) // 20)))
-    margin = max(6 * wobble, 0.2 * abs(best), 1e-12)
-    if end - best < margin:
+    if end - best < max(6 * wobble, 0.2 * abs(best), 1e-12):
         return None
     # The wobble is the same examples' loss over time; whether other data would rise too depends on how many
     # examples carry the rise. One example turning confidently wrong (a loss of 1-20 against ~0 for the rest)
@@ -2048,12 +2047,11 @@ def _rare_classes_neglected(h: Holdout, labels: list, shares: np.ndarray):
     if h is None or h.kind != "classification" or h.correct is None or h.labels is None \
             or h.correct.shape[0] != len(h.labels) or not h.correct.shape[1]:
         return None
-    rare = []
-    for c, share in zip(labels, shares):
-        try:
-            rare.append(int(c)) if share < 1.0 / len(labels) else None
-        except ValueError:
-            return None
+    try:
+        classes = [int(c) for c in labels]
+    except ValueError:
+        return None
+    rare = [c for c, share in zip(classes, shares) if share < 1.0 / len(labels)]
     is_rare = np.isin(h.labels, rare)
     if is_rare.sum() < 5 or (~is_rare).sum() < 5:
         return None
