@@ -419,23 +419,27 @@ def classification_holdout(logits: torch.Tensor, labels: torch.Tensor) -> Dict[s
 
 
 def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
-                           token_ids: Optional[List[int]] = None) -> Dict[str, Any]:
-    """Per-example mean token NLL and top-1 token accuracy for causal-LM logits [N, T, V].
+                           token_ids: Optional[List[int]] = None, shift: bool = True) -> Dict[str, Any]:
+    """Per-example mean token NLL and top-1 token accuracy for per-token logits [N, T, V].
 
-    Labels are shifted by one as HF causal LMs do (position t predicts token t+1) and positions labelled
-    IGNORE_INDEX are skipped. The full [N, T, V] logits are never kept. With `token_ids`, `token_logits`
-    [N, len(token_ids)] holds those tokens' logits at the position that predicts each example's first
-    supervised token (e.g. the answer after a masked prompt; the last position if none is supervised).
+    With `shift`, labels are the inputs' own tokens, which an HF causal LM shifts itself: position t
+    predicts token t+1. Without it, position t is scored against labels[:, t] (a tagger, a masked LM, a
+    decoder's targets, or next tokens shifted already). Positions labelled IGNORE_INDEX are skipped. The full
+    [N, T, V] logits are never kept. With `token_ids`, `token_logits` [N, len(token_ids)] holds those tokens'
+    logits at the position that predicts each example's first supervised token (e.g. the answer after a
+    masked prompt; the last position if none is supervised).
     """
-    logits = logits.detach()[:, :-1, :].float()
-    target = labels.detach().to(logits.device)[:, 1:].long()
+    logits, target = logits.detach(), labels.detach().to(logits.device)
+    if shift:
+        logits, target = logits[:, :-1, :], target[:, 1:]
+    logits, target = logits.float(), target.long()
     valid = target != IGNORE_INDEX
     nll = torch.nn.functional.cross_entropy(
         logits.transpose(1, 2), target.clamp(min=0), reduction="none") * valid
     correct = (logits.argmax(-1) == target) & valid
     tokens = valid.sum(1)
     per_tokens = tokens.clamp(min=1).float()
-    out = {"kind": "lm", "nll": nll.sum(1) / per_tokens, "token_accuracy": correct.sum(1) / per_tokens,
+    out = {"kind": "lm", "shifted": shift, "nll": nll.sum(1) / per_tokens, "token_accuracy": correct.sum(1) / per_tokens,
            "loss": nll.sum() / tokens.sum().clamp(min=1), "accuracy": correct.sum() / tokens.sum().clamp(min=1),
            "tokens": tokens}
     if token_ids:
@@ -461,12 +465,16 @@ def merge_lm_holdout(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _valid_positions(logits: torch.Tensor, labels: Any) -> Optional[torch.Tensor]:
-    # LM logits [N, T, V]: position t counts when it predicts a supervised token t+1 (as in the holdout).
+def _valid_positions(logits: torch.Tensor, labels: Any, shift: bool) -> Optional[torch.Tensor]:
+    # Per-token logits [N, T, V]: position t counts when the token it predicts is supervised (as in the
+    # holdout: token t+1 with shift, else token t).
     if logits.dim() != 3 or not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
         return None
+    labels = labels.to(logits.device)
+    if not shift:
+        return labels != IGNORE_INDEX
     valid = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
-    valid[:, :-1] = labels[:, 1:].to(logits.device) != IGNORE_INDEX
+    valid[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     return valid
 
 
@@ -4001,6 +4009,18 @@ def _collate(examples: List[Any]) -> Any:
                          "batches instead (a DataLoader with a collate_fn that pads, for instance)") from None
 
 
+def own_tokens(batch: Any, labels: torch.Tensor) -> bool:
+    """Per-token labels that are the batch's own input tokens wherever they are supervised, as an HF causal
+    LM takes them (it shifts them itself); other per-token labels (tags, a masked LM's originals, a
+    decoder's targets, next tokens shifted already) are scored at their own positions."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None
+    if not isinstance(ids, torch.Tensor) or ids.shape != labels.shape or ids.is_floating_point():
+        return False
+    ids, labels = ids.detach().cpu(), labels.detach().cpu()
+    kept = labels != IGNORE_INDEX
+    return bool(kept.any()) and bool((labels[kept] == ids[kept]).all())
+
+
 def holdout_labels(batch: Any, label_key: Optional[str], labels: Optional[Callable]) -> tuple:
     """(labels of a holdout batch, the dict key they came from): labels(batch) when given; else the batch's
     label key, or a causal LM's own input_ids; else the last element of an (inputs..., labels) batch."""
@@ -4092,12 +4112,14 @@ class _Holdout:
         self.labels: Optional[Callable] = None
         self.output: Any = None
         self.regression = False
+        self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
         self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
 
     def set(self, data: Any, forward: Optional[Callable], labels: Optional[Callable], output: Any) -> int:
         """Keep the first holdout_size examples, refusing here what could not be used later; returns how
         many were kept."""
-        batches = holdout_batches(data, self.config.holdout_size, self.config.batch_label_key)
+        with _rng_kept():  # a DataLoader draws its iterator's seed from the global RNG, even unshuffled
+            batches = holdout_batches(data, self.config.holdout_size, self.config.batch_label_key)
         found = []
         for batch in batches:
             n = _holdout_batch_size(batch)
@@ -4120,6 +4142,7 @@ class _Holdout:
         self.batches, self.on_device = batches, {}
         self.forward, self.labels, self.output = forward, labels, output
         self.regression = any(is_regression_target(t) for t in found)
+        self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
         return sum(_holdout_batch_size(b) for b in batches)
 
     def sizes(self) -> List[int]:
@@ -4160,7 +4183,7 @@ class _Holdout:
         def score(batch):
             logits, labels = self.forward_one(model, batch)
             if logits.dim() == 3 and not self.regression:  # reduce each batch at once: [batch, seq, vocab] is large
-                return language_model_holdout(logits, labels, self.config.holdout_token_ids)
+                return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift)
             return logits, labels
 
         watch = _ActivationWatch(model) if self.config.track_activations and not ranks.lockstep else None
@@ -4198,7 +4221,7 @@ def sparse_quality(layout: _Layout, model: torch.nn.Module, holdout: _Holdout, b
                 logits, labels = holdout.forward_one(model, batch)
                 logits = logits.detach()
                 full.append(logits)
-                valid.append(_valid_positions(logits, labels))
+                valid.append(_valid_positions(logits, labels, holdout.shift))
             for k, t in enumerate(config.sparse_quality_thresholds):
                 dropped = changes["below"][changes["thresholds"].index(t)].to(counts.dtype)
                 entry: Dict[str, Any] = {"kept_ratio": 1 - dropped.sum() / counts.sum().clamp(min=1)}
