@@ -861,3 +861,36 @@ def test_a_gan_calling_the_hook_after_each_optimizer_is_warned(tmp_path):
             tel.on_batch_end(model, opt, i, 0)
     tel.close()
     assert kept is not opt and not [w for w in caught if "in turn" in str(w.message)]
+
+
+def test_a_dataloader_holdout_leaves_a_seeded_run_as_it_was(tmp_path):
+    """Iterating a DataLoader draws its base seed from the global RNG, even unshuffled: set_holdout_data with
+    one must not shift the training's shuffles and dropout masks. Final weights bit-identical on and off."""
+    x, y = digits()
+    pairs = torch.utils.data.TensorDataset
+
+    def run(on):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tel = None
+        if on:
+            tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=2))
+            before = torch.get_rng_state()
+            tel.set_holdout_data(torch.utils.data.DataLoader(pairs(x[-100:], y[-100:]), batch_size=25))
+            assert torch.equal(before, torch.get_rng_state())
+        loader = torch.utils.data.DataLoader(pairs(x[:320], y[:320]), batch_size=32, shuffle=True)
+        for epoch in range(2):
+            for i, (bx, by) in enumerate(loader):
+                loss = nn.functional.cross_entropy(model(bx), by)
+                loss.backward()
+                opt.step()
+                if tel is not None:
+                    tel.on_batch_end(model, opt, i, epoch, batch=(bx, by), loss=loss)
+                opt.zero_grad()
+        if tel is not None:
+            tel.close()
+            assert len(read(str(tmp_path / "run"))) == 10
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
