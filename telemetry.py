@@ -2856,6 +2856,7 @@ def _keep_aside(path: str, why: str) -> str:
 class _Layout:
     """Trainable parameters in a fixed order and the groups they belong to (cached per model/optimizer)."""
     key: tuple
+    optimizer: Callable[[], Any]  # a weak reference: a new optimizer may be given a freed one's id()
     names: List[str]
     params: List[torch.nn.Parameter]
     group_names: List[str]
@@ -2984,12 +2985,19 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
         membership[row, idx] = 1.0
     # Learning rates also name optimizer groups that hold no trainable parameter of their own here.
     lr_names = group_names + [n for n in readers if n not in group_names]
-    layout = _Layout(key=_layout_key(model, optimizer), names=names, params=params, group_names=group_names,
-                     membership=membership, first_partition=len(first), lr_names=lr_names,
+    layout = _Layout(key=_layout_key(model, optimizer), optimizer=_weak(optimizer), names=names, params=params,
+                     group_names=group_names, membership=membership, first_partition=len(first), lr_names=lr_names,
                      group_lrs=[readers[g] for g in lr_names],
                      frozen={g: [frozen[i] for i in idx] for g, idx in frozen_in.items() if idx},
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
     return layout, partitions
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # None, or an object that takes no weak reference
+        return lambda: obj
 
 
 def _unique_names(names: List[str]) -> List[str]:
@@ -4721,7 +4729,8 @@ class TrainingTelemetry:
     # ---- the layout and the ranks ------------------------------------------------------------------
 
     def _layout_for(self, model: torch.nn.Module, optimizer: Any) -> _Layout:
-        if self._layout is None or self._layout.key != _layout_key(model, optimizer):
+        if self._layout is None or self._layout.key != _layout_key(model, optimizer) \
+                or self._layout.optimizer() is not optimizer:
             fingerprint = model_fingerprint(model)
             if self._layout is None and self._files.resumed and self._files.info.get("model") not in (None, fingerprint):
                 self._move_on(fingerprint)
