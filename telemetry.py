@@ -485,8 +485,12 @@ def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
     stats: Dict[str, Any] = {"batch_size": int(labels.shape[0]) if labels.dim() else 1, "label_key": key}
     if is_regression_target(values) or _multi_label(values.view(labels.shape)):  # the host copy, not another
         return stats  # a regression target, or several 0/1 targets per example, has no classes to balance
-    uniq, counts = torch.unique(values.long(), return_counts=True)
-    total = max(int(values.numel()), 1)
+    values = values.long()
+    kept = values[values != IGNORE_INDEX]  # positions the loss skips (a tagger's padding) are no class
+    if kept.numel() < values.numel():
+        stats["ignored_share"] = 1 - kept.numel() / values.numel()
+    uniq, counts = torch.unique(kept, return_counts=True)
+    total = max(int(kept.numel()), 1)
     if len(uniq) > MAX_BALANCE_VALUES:
         stats.update(distinct_labels=len(uniq), max_label_pct=100.0 * int(counts.max()) / total)
         return stats

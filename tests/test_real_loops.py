@@ -920,3 +920,30 @@ def test_an_optimizer_rebuilt_at_a_freed_ones_address_is_read_afresh(tmp_path):
     tel.close()
     assert addresses[0] == addresses[1]  # what makes the case: the same id() for another optimizer
     assert [r["learning_rates"]["group_0"] for r in read(str(tmp_path))] == wanted == [0.1] * 3 + [0.01] * 3
+
+
+def test_a_taggers_ignored_positions_are_no_class(tmp_path):
+    """A frame tagger (each digit's 8 rows as 8 frames of 8 features, a tag per frame, -100 where the loss
+    skips padding): batch_stats counts the real tags only, against a bincount of the batch, and says what
+    share was ignored."""
+    x, _ = digits()
+    frames = x.reshape(-1, 8, 8)
+    tags = (frames.sum(-1) > 2).long() + (frames.sum(-1) > 4).long()
+    tags[::3, 6:] = -100  # every third sequence is two frames shorter
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True,
+                                            track_holdout_logits=False))
+    for i in range(3):
+        batch = (frames[i * 30:(i + 1) * 30], tags[i * 30:(i + 1) * 30])
+        loss = nn.functional.cross_entropy(model(batch[0]).reshape(-1, 3), batch[1].reshape(-1))
+        loss.backward()
+        opt.step()
+        stats = tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)["batch_stats"]
+        opt.zero_grad()
+        real = batch[1][batch[1] != -100]
+        assert stats["counts"] == {str(v): c for v, c in enumerate(torch.bincount(real).tolist()) if c}
+        assert stats["ignored_share"] == pytest.approx((batch[1] == -100).double().mean().item())
+        assert sum(v for k, v in stats.items() if k.endswith("_pct")) == pytest.approx(100)
+    tel.close()
