@@ -595,9 +595,16 @@ def regression_holdout(predictions: torch.Tensor, targets: torch.Tensor) -> Dict
 # ---- batches: examples along dim 0 of every tensor leaf --------------------------------------------
 
 
+def plain_batch(batch: Any) -> Any:
+    """A mapping that is not a dict (transformers' BatchEncoding is a UserDict) as a dict of its items, so
+    that it is read as the dict batch it stands for; anything else as it is."""
+    return dict(batch) if isinstance(batch, collections.abc.Mapping) and not isinstance(batch, dict) else batch
+
+
 def batch_size_of(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
+    batch = plain_batch(batch)
     items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
     for item in items:
         if isinstance(item, torch.Tensor) and item.dim():
@@ -606,11 +613,14 @@ def batch_size_of(batch: Any) -> int:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """The batch with fn applied to every tensor leaf: dicts, lists and tuples are rebuilt, other leaves kept."""
+    """The batch with fn applied to every tensor leaf: mappings (as dicts), lists and tuples (named ones too)
+    are rebuilt, other leaves kept."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, collections.abc.Mapping):
         return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(fn, v) for v in batch)
     return batch
@@ -3903,6 +3913,7 @@ def _evaluating(model: torch.nn.Module):
 def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
     """The batch_stats section: label balance, or token counts for a language-model batch, and a fingerprint
     of the inputs (a loader that hands out the same batch again gives the same one)."""
+    batch = plain_batch(batch)
     key = find_label_key(batch, label_key) if isinstance(batch, dict) else None
     per_example = key is not None and isinstance(batch[key], torch.Tensor) and batch[key].dim() <= 1
     if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor) and batch["input_ids"].dim() == 2 \
@@ -3947,7 +3958,9 @@ def batch_fingerprint(inputs: torch.Tensor) -> List[torch.Tensor]:
 def holdout_batches(data: Any, limit: int, label_key: Optional[str]) -> List[Any]:
     """Batches of at most `limit` examples in all, from any of: a DataLoader or another iterable of batches,
     a map-style Dataset (items are examples: tuples or dicts, collated here), a list of examples, one batch
-    (a dict of tensors, or (inputs..., labels) tensors), a bare tensor (with labels=)."""
+    (a dict of tensors, or (inputs..., labels) tensors), a bare tensor (with labels=). Mappings that are not
+    dicts (BatchEncoding) are kept as dicts."""
+    data = plain_batch(data)
     if isinstance(data, torch.Tensor):
         return [data[:limit]]
     if isinstance(data, dict) or (isinstance(data, (tuple, list)) and data and isinstance(data[0], torch.Tensor)):
@@ -3959,7 +3972,7 @@ def holdout_batches(data: Any, limit: int, label_key: Optional[str]) -> List[Any
     except TypeError:
         raise ValueError(f"set_holdout_data: cannot read holdout examples from a {type(data).__name__}; pass a "
                          "DataLoader, a Dataset, a list of examples or batches, or (inputs, labels)") from None
-    first = next(items, None)
+    first = plain_batch(next(items, None))
     if first is None or not limit:
         return []
     if _is_example(first, label_key):
@@ -3969,7 +3982,7 @@ def holdout_batches(data: Any, limit: int, label_key: Optional[str]) -> List[Any
 
 def _first_examples(batches: Any, limit: int) -> List[Any]:
     kept, have = [], 0
-    for batch in batches:
+    for batch in map(plain_batch, batches):
         if have >= limit:
             break
         n = _holdout_batch_size(batch)
@@ -4644,8 +4657,12 @@ class TrainingTelemetry:
             c.add("holdout_logits", self._holdout.section, model, device, self._ranks)
             if self._holdout.activations:
                 c.record["activations"] = self._holdout.activations
-        if cfg.track_batch_stats and batch is not None:
+        if cfg.track_batch_stats and isinstance(batch, (torch.Tensor, collections.abc.Mapping, list, tuple)):
             c.add("batch_stats", batch_stats, batch, cfg.batch_label_key)
+        elif cfg.track_batch_stats and batch is not None:
+            self._warn("batch-type", f"telemetry: batch= is a {type(batch).__name__}, which batch_stats cannot read "
+                                     "(it reads a tensor, a tuple or list, or a dict); pass batch=(inputs, labels) "
+                                     "or a dict of tensors to count its labels")
         if cfg.track_system:
             c.add("system", self._clock.section, model, batch, started, self.step)
         if self._metrics:

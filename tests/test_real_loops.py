@@ -947,3 +947,60 @@ def test_a_taggers_ignored_positions_are_no_class(tmp_path):
         assert stats["ignored_share"] == pytest.approx((batch[1] == -100).double().mean().item())
         assert sum(v for k, v in stats.items() if k.endswith("_pct")) == pytest.approx(100)
     tel.close()
+
+
+def test_batch_encodings_namedtuples_and_other_batch_objects(tmp_path):
+    """transformers' BatchEncoding (a UserDict, not a dict) is read as the dict batch it is, for the holdout
+    and batch_stats; a namedtuple holdout is cut to holdout_size and run as model(*inputs); a batch object
+    batch_stats cannot read is one warning, not an error in every record. Against manual eval() passes and
+    bincounts."""
+    transformers = pytest.importorskip("transformers")
+    from collections import namedtuple
+    x, y = digits()
+    Pair = namedtuple("Pair", ["pixels", "label"])
+
+    class DictModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = mlp()
+
+        def forward(self, pixels):
+            return self.inner(pixels)
+
+    holdouts = {"BatchEncoding": transformers.BatchEncoding({"pixels": x[-60:], "label": y[-60:]}),
+                "list of BatchEncodings": [transformers.BatchEncoding({"pixels": x[i:i + 20], "label": y[i:i + 20]})
+                                           for i in range(len(y) - 60, len(y), 20)],
+                "namedtuple": Pair(x[-60:], y[-60:])}
+    for form, holdout in holdouts.items():
+        model = DictModel()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = str(tmp_path / form.replace(" ", "_"))
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1, strict=True, holdout_size=50))
+        tel.set_holdout_data(holdout)
+        batch = transformers.BatchEncoding({"pixels": x[:32], "label": y[:32]})
+        loss = nn.functional.cross_entropy(model(batch["pixels"]), batch["label"])
+        loss.backward()
+        opt.step()
+        record = tel.on_batch_end(model, opt, 0, 0, batch=batch, loss=loss)
+        tel.close()
+        predictions, accuracy, _ = manual_eval(model.inner, x[-60:-10], y[-60:-10])
+        assert record["holdout_logits"]["predictions"] == predictions, form
+        assert record["holdout_logits"]["accuracy"] == pytest.approx(accuracy, rel=1e-7), form
+        assert record["batch_stats"]["counts"] == {str(k): c for k, c in enumerate(torch.bincount(y[:32]).tolist())}
+
+    class Batch:  # a loop's own batch object
+        def __init__(self, pixels, label):
+            self.pixels, self.label = pixels, label
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "object"), collect_every_n=1))
+    with pytest.warns(RuntimeWarning, match="batch= is a Batch, which batch_stats cannot read"):
+        for i in range(2):
+            batch = Batch(x[i * 32:(i + 1) * 32], y[i * 32:(i + 1) * 32])
+            nn.functional.cross_entropy(model(batch.pixels), batch.label).backward()
+            opt.step()
+            record = tel.on_batch_end(model, opt, i, 0, batch=batch)
+            opt.zero_grad()
+    tel.close()
+    assert "errors" not in record and "batch_stats" not in record
