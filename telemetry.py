@@ -2104,10 +2104,10 @@ def _reduce_device() -> torch.device:
 
 def _unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The same parameters, under the names a single process of the plain model would record: without DDP's
-    "module." and torch.compile's "_orig_mod." (a run resumed with torch.compile added is the same run, and
-    compiled and eager runs compare group by group and layer by layer)."""
+    and DataParallel's "module." and torch.compile's "_orig_mod." (a run resumed with torch.compile added is
+    the same run, and compiled and eager runs compare group by group and layer by layer)."""
     while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module
         elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None),
                                                                        torch.nn.Module):

@@ -632,16 +632,19 @@ def test_a_float64_model_is_measured_in_float64(tmp_path, pass_threads):
         assert r["param_change"]["l1"] == pytest.approx(l1, rel=1e-5)
 
 
-def test_a_run_resumed_with_torch_compile_is_the_same_run(tmp_path):
-    """torch.compile(model) names the parameters "_orig_mod.*": passed to the hook, the records still name
-    them as the plain model does, so a run resumed with torch.compile added goes on in the same directory and
-    its first delta is measured from the reference the plain run left (against float64 copies)."""
+@pytest.mark.parametrize("wrapper", ["torch.compile", "nn.DataParallel"])
+def test_a_run_resumed_with_a_wrapper_is_the_same_run(tmp_path, wrapper):
+    """torch.compile(model) names the parameters "_orig_mod.*", nn.DataParallel "module.*": passed to the hook,
+    the records still name them as the plain model does, so a run resumed with the wrapper added goes on in
+    the same directory and its first delta is measured from the reference the plain run left (against
+    float64 copies)."""
     x, y = digits()
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     run = tmp_path / "run"
     kept, want = None, []
-    for phase, hooked in enumerate([model, torch.compile(model, backend="eager")]):
+    wrapped = torch.compile(model, backend="eager") if wrapper == "torch.compile" else nn.DataParallel(model)
+    for phase, hooked in enumerate([model, wrapped]):
         tel = TrainingTelemetry(TelemetryConfig(output_dir=str(run), collect_every_n=1))
         for i in range(3):
             part = slice((phase * 3 + i) * 32, (phase * 3 + i + 1) * 32)
