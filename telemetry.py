@@ -580,8 +580,12 @@ def regression_holdout(predictions: torch.Tensor, targets: torch.Tensor) -> Dict
     pred = predictions.detach().float().reshape(n, -1)
     target = targets.detach().to(pred.device).float().reshape(n, -1)
     if pred.shape != target.shape:
-        raise ValueError(f"regression holdout: predictions of shape {list(predictions.shape)} against targets "
-                         f"of shape {list(targets.shape)}; pass output= or forward= to set_holdout_data")
+        classes = target.shape[1] == 1 and bool((target == target.round()).all()) and bool(
+            ((target >= 0) & (target < pred.shape[1])).all())
+        fix = ("they look like class indices stored as floats: pass labels=lambda batch: batch[-1].long() to "
+               "set_holdout_data, or integer labels" if classes else "pass output= or forward= to set_holdout_data")
+        raise ValueError(f"regression holdout: predictions of shape {list(predictions.shape)} against float targets "
+                         f"of shape {list(targets.shape)}; {fix}")
     err = pred - target
     squared, absolute = err.square().mean(1), err.abs().mean(1)
     out: Dict[str, Any] = {"kind": "regression", "outputs": pred.shape[1]}

@@ -316,6 +316,27 @@ def test_regression_is_recorded_as_regression(tmp_path):
     assert stats == {"batch_size": 32, "label_key": "label"}
 
 
+def test_class_indices_stored_as_floats_name_the_cast(tmp_path):
+    """Digit classes as floats (0., 1., ..., 9.) are regression targets to the holdout; against a classifier's
+    ten outputs the first collection fails with a message that names the cast, which then scores right."""
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "a"), collect_every_n=1, strict=True))
+    tel.set_holdout_data((x[-50:], y[-50:].float()))
+    train_steps(model, optimizer, x, y, steps=1)
+    with pytest.raises(ValueError, match=r"class indices stored as floats: pass labels=lambda batch: batch\[-1\]"
+                                         r"\.long\(\)"):
+        tel.on_batch_end(model, optimizer, 0, 0)
+    tel.close()
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "b"), collect_every_n=1, strict=True))
+    tel.set_holdout_data((x[-50:], y[-50:].float()), labels=lambda batch: batch[-1].long())
+    train_steps(model, optimizer, x, y, steps=1)
+    record = tel.on_batch_end(model, optimizer, 0, 0)
+    tel.close()
+    assert record["holdout_logits"]["accuracy"] == pytest.approx(manual_eval(model, x[-50:], y[-50:])[1], rel=1e-7)
+
+
 # ---- optimizer steps, accumulation, parameters, arguments --------------------------------------------
 
 
