@@ -2884,6 +2884,7 @@ class _Layout:
     group_lrs: List[Callable[[], Any]]  # reads a group's current lr
     frozen: Dict[str, List[tuple]] = dataclasses.field(default_factory=dict)  # group -> (name, frozen tensor)
     outside: List[tuple] = dataclasses.field(default_factory=list)  # trainable, but in no optimizer group
+    beyond: List[tuple] = dataclasses.field(default_factory=list)  # (optimizer group, tensor) not in the model
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     # device -> by_group's rows there: the overall one (the first partition's rows added up), then the membership
     totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -2954,7 +2955,9 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
     name patterns, else the optimizer's param groups (by their "name"), else one group "all"; with LoRA a
     second partition (lora_A, lora_B, ...) comes beside it. Each group reads its learning rate live.
     Trainable tensors that no optimizer group holds are left out (their gradients only ever accumulate)
-    and listed in layout.outside; frozen tensors are counted per group in layout.frozen."""
+    and listed in layout.outside; frozen tensors are counted per group in layout.frozen. Tensors the
+    optimizer steps that are not the model's (a loss module's weights) have no name to record them under:
+    they are listed in layout.beyond."""
     opt_groups = getattr(optimizer, "param_groups", None) or []
     opt_index = {id(p): gi for gi, g in enumerate(opt_groups) for p in g["params"]}
     opt_names = _unique_names([str(g.get("name") or f"group_{gi}") for gi, g in enumerate(opt_groups)])
@@ -3008,6 +3011,10 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
                      group_lrs=[readers[g] for g in lr_names],
                      frozen={g: [frozen[i] for i in idx] for g, idx in frozen_in.items() if idx},
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
+    model_ids = {id(p) for _, p in every}
+    if held:  # else the optimizer holds copies of the weights (master weights), not the model's tensors
+        layout.beyond = [(opt_names[gi], p) for gi, g in enumerate(opt_groups) for p in g["params"]
+                         if id(p) not in model_ids]
     return layout, partitions
 
 
@@ -3115,6 +3122,9 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
                 world_size=1, rank=0)
     if layout.outside:
         info["not_in_optimizer"] = count(layout.outside)
+    if layout.beyond:
+        info["not_in_model"] = {"tensors": len(layout.beyond), "elements": sum(p.numel() for _, p in layout.beyond),
+                                "groups": sorted({g for g, _ in layout.beyond})}
     return info
 
 
@@ -4768,6 +4778,14 @@ class TrainingTelemetry:
                                       "them and their gradients grow with every backward(). They are left out of the "
                                       "records (run.json lists them): add them to the optimizer, or freeze them. "
                                       "If another optimizer trains them, pass every optimizer, as a list.")
+            if self._layout.beyond:
+                groups = sorted({g for g, _ in self._layout.beyond})
+                self._warn("beyond", f"telemetry: the optimizer steps {len(self._layout.beyond)} tensor(s) that are "
+                                     f"not parameters of the model passed to on_batch_end (in group(s) "
+                                     f"{', '.join(groups)}): they are left out of every norm and delta, which cover "
+                                     "the model's tensors alone (run.json lists them under not_in_model). "
+                                     "Pass a module that holds them all, e.g. nn.ModuleDict({'model': model, "
+                                     "'loss': loss_module}).")
         return self._layout
 
     def _move_on(self, fingerprint: str) -> None:

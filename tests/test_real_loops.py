@@ -1028,3 +1028,52 @@ def test_batch_encodings_namedtuples_and_other_batch_objects(tmp_path):
             opt.zero_grad()
     tel.close()
     assert "errors" not in record and "batch_stats" not in record
+
+
+def test_tensors_the_optimizer_steps_outside_the_model_are_named(tmp_path):
+    """A learnable temperature and a cosine classifier's prototypes, both outside the model passed to the
+    hook, stepped by its optimizer: they cannot be recorded under the model's names, so one warning says
+    the norms cover the model's tensors alone and run.json lists them; those norms are right for the model's
+    tensors (get_total_norm), and passing a module that holds all of them records every group."""
+    x, y = digits()
+
+    def setup():
+        torch.manual_seed(0)
+        body = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+        prototypes = nn.Linear(16, 10, bias=False)
+        temperature = nn.Parameter(torch.tensor(10.0))
+        opt = torch.optim.SGD([{"params": list(body.parameters()) + [temperature], "name": "model"},
+                               {"params": prototypes.parameters(), "name": "classifier"}], lr=0.1)
+        return body, prototypes, temperature, opt
+
+    def loss_of(body, prototypes, temperature, part):
+        cos = nn.functional.normalize(body(x[part]), dim=-1) @ nn.functional.normalize(prototypes.weight, dim=-1).T
+        return nn.functional.cross_entropy(temperature * cos, y[part])
+
+    body, prototypes, temperature, opt = setup()
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "a"), collect_every_n=1))
+    with pytest.warns(RuntimeWarning, match=r"steps 2 tensor\(s\) that are not parameters of the model"):
+        for i in range(2):
+            loss_of(body, prototypes, temperature, slice(i * 32, (i + 1) * 32)).backward()
+            opt.step()
+            want = torch.nn.utils.get_total_norm([p.grad for p in body.parameters()]).item()
+            record = tel.on_batch_end(body, opt, i, 0, loss=None)
+            opt.zero_grad()
+    tel.close()
+    assert record["gradient_norm"]["model"] == pytest.approx(want, rel=1e-5)
+    info = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert info["not_in_model"] == {"tensors": 2, "elements": 161, "groups": ["classifier", "model"]}
+
+    body, prototypes, temperature, opt = setup()
+    whole = nn.ModuleDict({"body": body, "prototypes": prototypes})
+    whole.temperature = temperature
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "b"), collect_every_n=1, strict=True))
+    loss_of(body, prototypes, temperature, slice(0, 32)).backward()
+    opt.step()
+    want = {g["name"]: torch.nn.utils.get_total_norm([p.grad for p in g["params"]]).item() for g in opt.param_groups}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        record = tel.on_batch_end(whole, opt, 0, 0)
+    tel.close()
+    assert record["gradient_norm"]["model"] == pytest.approx(want["model"], rel=1e-5)
+    assert record["gradient_norm"]["classifier"] == pytest.approx(want["classifier"], rel=1e-5)
