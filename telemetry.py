@@ -3018,6 +3018,34 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
     return layout, partitions
 
 
+# Keys that schedulers and common libraries add to param groups themselves: not misspellings.
+_GROUP_EXTRAS = {"params", "name", "initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum",
+                 "lr_scale", "swa_lr"}
+_GROUP_ALIASES = {"learningrate": "lr", "learnrate": "lr", "lrate": "lr", "wd": "weight_decay",
+                  "weightdecay": "weight_decay", "mom": "momentum"}
+
+
+def ignored_group_keys(optimizer: Any) -> Dict[str, Dict[str, Any]]:
+    """Param-group keys the optimizer never reads that look like one it does ("learning_rate" for "lr",
+    "weight_decy"), with another value: {group name: {key: [value, the key it reads, its value]}}. A head's
+    10x lr written under such a key was never applied, and nothing else in the run would say so."""
+    members = getattr(optimizer, "members", None) or ([optimizer] if optimizer is not None else [])
+    pairs = [(g, getattr(o, "defaults", None) or {}) for o in members for g in getattr(o, "param_groups", [])]
+    names = _unique_names([str(g.get("name") or f"group_{gi}") for gi, (g, _) in enumerate(pairs)])
+    found: Dict[str, Dict[str, Any]] = {}
+    for name, (group, defaults) in zip(names, pairs):
+        for key, value in group.items():
+            if key in defaults or key in _GROUP_EXTRAS or not isinstance(key, str) or isinstance(value, bool) \
+                    or not isinstance(value, (int, float)):
+                continue
+            plain = key.lower().replace("_", "").replace("-", "")
+            meant = _GROUP_ALIASES.get(plain) or next((k for k in defaults if k.replace("_", "") == plain), None) \
+                or next(iter(difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.85)), None)
+            if meant in group and group[meant] != value:
+                found.setdefault(name, {})[key] = [value, meant, group[meant]]
+    return found
+
+
 def _weak(obj: Any) -> Callable[[], Any]:
     try:
         return weakref.ref(obj)
@@ -3122,6 +3150,9 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
                 world_size=1, rank=0)
     if layout.outside:
         info["not_in_optimizer"] = count(layout.outside)
+    ignored = ignored_group_keys(optimizer)
+    if ignored:
+        info["ignored_group_keys"] = ignored
     if layout.beyond:
         info["not_in_model"] = {"tensors": len(layout.beyond), "elements": sum(p.numel() for _, p in layout.beyond),
                                 "groups": sorted({g for g, _ in layout.beyond})}
@@ -4778,6 +4809,13 @@ class TrainingTelemetry:
                                       "them and their gradients grow with every backward(). They are left out of the "
                                       "records (run.json lists them): add them to the optimizer, or freeze them. "
                                       "If another optimizer trains them, pass every optimizer, as a list.")
+            ignored = ignored_group_keys(optimizer)
+            if ignored:
+                said = "; ".join(f"group {g}: {k}={v[0]:g} (it reads {v[1]}, which is {v[2]:g})"
+                                 for g, keys in ignored.items() for k, v in keys.items())
+                self._warn("group-keys", f"telemetry: the optimizer never reads these param-group keys: {said}. "
+                                         "Spell them as the optimizer does (run.json lists them under "
+                                         "ignored_group_keys).")
             if self._layout.beyond:
                 groups = sorted({g for g, _ in self._layout.beyond})
                 self._warn("beyond", f"telemetry: the optimizer steps {len(self._layout.beyond)} tensor(s) that are "

@@ -1077,3 +1077,27 @@ def test_tensors_the_optimizer_steps_outside_the_model_are_named(tmp_path):
     tel.close()
     assert record["gradient_norm"]["model"] == pytest.approx(want["model"], rel=1e-5)
     assert record["gradient_norm"]["classifier"] == pytest.approx(want["classifier"], rel=1e-5)
+
+
+def test_a_misspelt_param_group_key_is_named(tmp_path):
+    """A head meant to train at 10x, its lr written as "learning_rate", which AdamW never reads: the head
+    trains at the base lr, as the records show, and a warning and run.json name the key, the one the
+    optimizer reads, and both values. A scheduler's own key (initial_lr) is not named."""
+    x, y = digits()
+    model = mlp()
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "name": "backbone"},
+                             {"params": model[2].parameters(), "name": "head", "learning_rate": 1e-3}], lr=1e-4)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    with pytest.warns(RuntimeWarning, match=r"group head: learning_rate=0.001 \(it reads lr, which is 0.0001\)"):
+        for i in range(2):
+            nn.functional.cross_entropy(model(x[i * 32:(i + 1) * 32]), y[i * 32:(i + 1) * 32]).backward()
+            opt.step()
+            lrs = [g["lr"] for g in opt.param_groups]
+            record = tel.on_batch_end(model, opt, i, 0)
+            schedule.step()
+            opt.zero_grad()
+    tel.close()
+    assert [record["learning_rates"]["backbone"], record["learning_rates"]["head"]] == pytest.approx(lrs)
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["ignored_group_keys"] == {"head": {"learning_rate": [1e-3, "lr", 1e-4]}}
