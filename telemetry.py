@@ -2885,6 +2885,7 @@ class _Layout:
     frozen: Dict[str, List[tuple]] = dataclasses.field(default_factory=dict)  # group -> (name, frozen tensor)
     outside: List[tuple] = dataclasses.field(default_factory=list)  # trainable, but in no optimizer group
     beyond: List[tuple] = dataclasses.field(default_factory=list)  # (optimizer group, tensor) not in the model
+    complex: List[tuple] = dataclasses.field(default_factory=list)  # trainable complex tensors: not measured
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     # device -> by_group's rows there: the overall one (the first partition's rows added up), then the membership
     totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -2964,7 +2965,7 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
     every = list(model.named_parameters())
     held = [(n, p) for n, p in every if not opt_groups or id(p) in opt_index]
     held_ids = {id(p) for _, p in held}
-    named = [(n, p) for n, p in held if p.requires_grad]
+    named = [(n, p) for n, p in held if p.requires_grad and not p.is_complex()]
     frozen = [(n, p) for n, p in held if not p.requires_grad]
     names, params = [n for n, _ in named], [p for _, p in named]
 
@@ -3011,6 +3012,7 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
                      group_lrs=[readers[g] for g in lr_names],
                      frozen={g: [frozen[i] for i in idx] for g, idx in frozen_in.items() if idx},
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
+    layout.complex = [(n, p) for n, p in held if p.requires_grad and p.is_complex()]
     model_ids = {id(p) for _, p in every}
     if held:  # else the optimizer holds copies of the weights (master weights), not the model's tensors
         layout.beyond = [(opt_names[gi], p) for gi, g in enumerate(opt_groups) for p in g["params"]
@@ -3153,6 +3155,8 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
     ignored = ignored_group_keys(optimizer)
     if ignored:
         info["ignored_group_keys"] = ignored
+    if layout.complex:
+        info["complex"] = count(layout.complex)
     if layout.beyond:
         info["not_in_model"] = {"tensors": len(layout.beyond), "elements": sum(p.numel() for _, p in layout.beyond),
                                 "groups": sorted({g for g, _ in layout.beyond})}
@@ -4816,6 +4820,12 @@ class TrainingTelemetry:
                 self._warn("group-keys", f"telemetry: the optimizer never reads these param-group keys: {said}. "
                                          "Spell them as the optimizer does (run.json lists them under "
                                          "ignored_group_keys).")
+            if self._layout.complex:
+                names = [n for n, _ in self._layout.complex]
+                self._warn("complex", f"telemetry: {len(names)} trainable tensor(s) are complex "
+                                      f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), which telemetry "
+                                      "does not measure: they are left out of every norm and delta (run.json lists "
+                                      "them under complex); the real tensors are recorded.")
             if self._layout.beyond:
                 groups = sorted({g for g, _ in self._layout.beyond})
                 self._warn("beyond", f"telemetry: the optimizer steps {len(self._layout.beyond)} tensor(s) that are "

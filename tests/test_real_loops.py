@@ -1101,3 +1101,46 @@ def test_a_misspelt_param_group_key_is_named(tmp_path):
     assert [record["learning_rates"]["backbone"], record["learning_rates"]["head"]] == pytest.approx(lrs)
     info = json.loads((tmp_path / "run.json").read_text())
     assert info["ignored_group_keys"] == {"head": {"learning_rate": [1e-3, "lr", 1e-4]}}
+
+
+def test_complex_parameters_are_named_and_the_real_ones_measured(tmp_path):
+    """A complex-valued filter beside a real classifier: the complex tensor is left out with one warning
+    (run.json lists it), and every real tensor's norms and deltas are right (get_total_norm, float64
+    copies), where before one complex tensor failed gradient_norm and weight_delta for the whole model."""
+    x, y = digits()
+
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.filter = nn.Parameter(torch.randn(33, dtype=torch.complex64) * 0.1)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, inputs):
+            spectrum = torch.fft.rfft(inputs, n=64)
+            return self.head(torch.fft.irfft(spectrum * self.filter, n=64))
+
+    model = Spectral()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    kept, want = None, []
+    with pytest.warns(RuntimeWarning, match=r"1 trainable tensor\(s\) are complex \(filter\)"):
+        for i in range(3):
+            nn.functional.cross_entropy(model(x[i * 32:(i + 1) * 32]), y[i * 32:(i + 1) * 32]).backward()
+            opt.step()
+            now = [p.detach().double().clone() for p in model.head.parameters()]
+            want.append((torch.nn.utils.get_total_norm([p.grad for p in model.head.parameters()]).item(),
+                         None if kept is None else math.sqrt(sum(float((a - b).square().sum())
+                                                                 for a, b in zip(now, kept)))))
+            kept = now
+            tel.on_batch_end(model, opt, i, 0)
+            opt.zero_grad()
+    tel.close()
+    records = read(str(tmp_path))
+    assert not any("errors" in r for r in records)
+    for r, (norm, delta) in zip(records, want):
+        assert r["gradient_norm"]["overall"] == pytest.approx(norm, rel=1e-5)
+        if delta is not None:
+            assert r["weight_delta"]["overall"] == pytest.approx(delta, rel=1e-5)
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["complex"] == {"tensors": 1, "elements": 33, "names": ["filter"]}
