@@ -561,9 +561,9 @@ def is_regression_target(labels: torch.Tensor) -> bool:
 
 
 def _multi_label(labels: torch.Tensor) -> bool:
-    """Several 0/1 targets per example (multi-label or one-hot), in any dtype: [N, C] labels with C > 1.
-    Host values, as is_regression_target."""
-    if labels.dim() < 2 or labels[0].numel() < 2:
+    """Several 0/1 targets per example (multi-label or one-hot), in any dtype: [N, C] labels with C > 1
+    (0/1 masks of more dimensions are a segmentation's). Host values, as is_regression_target."""
+    if labels.dim() != 2 or labels[0].numel() < 2:
         return False
     values = labels.detach().cpu()
     return values.dtype == torch.bool or _zero_one(values)
@@ -4083,6 +4083,26 @@ def _collate(examples: List[Any]) -> Any:
                          "batches instead (a DataLoader with a collate_fn that pads, for instance)") from None
 
 
+def per_position(logits: torch.Tensor, labels: Any) -> Optional[tuple]:
+    """Channel-first logits with a class per position, as a segmentation gives them ([N, C, *S] against
+    labels [N, *S]; one channel against 0/1 masks [N, *S] or [N, 1, *S], as two classes with logits 0 and z,
+    whose cross-entropy is the BCE): ([N, positions, C] logits, [N, positions] labels); else None."""
+    if not isinstance(labels, torch.Tensor) or logits.dim() < 3 or labels.is_floating_point() and not \
+            _zero_one(labels.detach()):
+        return None
+    n, channels, space = logits.shape[0], logits.shape[1], tuple(logits.shape[2:])
+    if logits.dim() == 3 and tuple(labels.shape) == tuple(logits.shape[:2]):
+        return None  # [N, T, V] against [N, T]: a sequence's tokens, channel last
+    if channels == 1 and tuple(labels.shape) == tuple(logits.shape):
+        labels = labels.reshape(n, *space)
+    if tuple(labels.shape) != (n, *space):
+        return None
+    flat = logits.detach().float().movedim(1, -1).reshape(n, -1, channels)
+    if channels == 1:
+        flat = torch.cat([torch.zeros_like(flat), flat], -1)
+    return flat, labels.reshape(n, -1).long()
+
+
 def own_tokens(batch: Any, labels: torch.Tensor) -> bool:
     """Per-token labels that are the batch's own input tokens wherever they are supervised, as an HF causal
     LM takes them (it shifts them itself); other per-token labels (tags, a masked LM's originals, a
@@ -4256,6 +4276,9 @@ class _Holdout:
 
         def score(batch):
             logits, labels = self.forward_one(model, batch)
+            dense = None if self.regression else per_position(logits, labels)
+            if dense is not None:  # a segmentation's pixels: scored as positions, with no shift
+                return language_model_holdout(*dense, shift=False)
             if logits.dim() == 3 and not self.regression:  # reduce each batch at once: [batch, seq, vocab] is large
                 return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift)
             return logits, labels

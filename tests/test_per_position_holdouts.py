@@ -1,7 +1,8 @@
 """Holdouts scored per position: a causal LM's labels are its own input tokens, which the model shifts
 itself (position t predicts token t+1); every other per-token target (a tagger's tags, a masked LM's
-originals, next tokens shifted already) is scored at its own position. Each is checked against a manual
-eval() pass. Data: Python's own source as text."""
+originals, next tokens shifted already) is scored at its own position, and so is a segmentation's class
+per pixel. Each is checked against a manual eval() pass. Data: Python's own source as text, and the
+digits of scikit-learn as images."""
 
 import inspect
 import json
@@ -137,3 +138,42 @@ def test_a_masked_lm_and_a_token_classifier_from_transformers(tmp_path):
         assert section["shifted"] is False, name
         assert section["loss"] == pytest.approx(out.loss.item(), rel=1e-4), name
         assert section["accuracy"] == pytest.approx(accuracy, rel=1e-6), name
+
+
+@pytest.mark.parametrize("masks", ["classes [N, H, W]", "binary [N, 1, H, W]", "binary [N, H, W]"])
+def test_a_segmentations_pixels_are_scored_as_positions(tmp_path, masks):
+    """A convolutional segmenter of the digits' pixels (background, faint, bright; or bright or not, one
+    logit against 0/1 float masks and BCE): holdout accuracy and loss per pixel against an eval() pass."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    images = torch.tensor(datasets.load_digits().data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16
+    binary = masks.startswith("binary")
+    labels = (images[:, 0] > 0.6).float() if binary else (images[:, 0] > 0.1).long() + (images[:, 0] > 0.6).long()
+    if masks == "binary [N, 1, H, W]":
+        labels = labels[:, None]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 1 if binary else 3, 1))
+
+    def loss_of(logits, target):
+        if binary:
+            return nn.functional.binary_cross_entropy_with_logits(logits.reshape(target.shape), target)
+        return nn.functional.cross_entropy(logits, target)
+
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    tel.set_holdout_data((images[:50], labels[:50]))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(10):
+        part = slice(50 + i * 32, 50 + (i + 1) * 32)
+        loss = loss_of(model(images[part]), labels[part])
+        loss.backward()
+        opt.step()
+        section = tel.on_batch_end(model, opt, i, 0, batch=(images[part], labels[part]), loss=loss)["holdout_logits"]
+        opt.zero_grad()
+    tel.close()
+    model.eval()
+    with torch.no_grad():
+        logits = model(images[:50]).double()
+    target = labels[:50].double() if binary else labels[:50]
+    predicted = (logits.reshape(target.shape) > 0).double() if binary else logits.argmax(1)
+    assert section["accuracy"] == pytest.approx((predicted == target).double().mean().item(), rel=1e-6)
+    assert section["loss"] == pytest.approx(loss_of(logits, target).item(), rel=1e-4)
+    assert section["tokens"] == [64] * 50  # the pixels of each image
