@@ -1290,17 +1290,43 @@ def check_loss_stalled(run: Run) -> list:
              "then raise the learning rate (try 3-10x) or check the gradients reach the early layers.")]
 
 
-def _peak_loss(run: Run, level: float):
-    """(value, step, which, first step at or above `level`) of the highest train or holdout loss, or None."""
+def _peak_loss(run: Run, level: float, train: bool = True):
+    """(value, step, which, first step at or above `level`) of the highest train (unless `train` is False) or
+    holdout loss, or None."""
     candidates = []
     h = holdout_data(run)
-    for which, x, st in (("train", column(run, "loss"), steps(run)),
-                         ("holdout", h.loss if h else np.array([]), h.steps if h else np.array([]))):
+    series = ((("train", column(run, "loss"), steps(run)),) if train else ()) + (
+        ("holdout", h.loss if h else np.array([]), h.steps if h else np.array([])),)
+    for which, x, st in series:
         x = np.where(np.isfinite(x), x, -np.inf)
         if len(x) and np.isfinite(x).any():
             i = int(np.argmax(x))
             candidates.append((float(x[i]), int(st[i]), which, int(st[np.argmax(x >= level)])))
     return max(candidates) if candidates else None
+
+
+TRAIN_SCALE = 3.0   # a train loss this many times the holdout's per-example loss is on another scale
+
+
+def _train_loss_on_another_scale(run: Run, untrained: float) -> bool:
+    """Whether the recorded train loss is on another scale than a per-example mean (a loss summed over the
+    batch, reduction="sum"): over the first fifth of the run it is typically (the median) TRAIN_SCALE times
+    the holdout's own per-example loss at the same collections and as far above `untrained`, the level of a
+    model that knows nothing, while that holdout loss stays below a blow-up's 1.5x `untrained`. A mean over a
+    batch and a mean over the holdout of the same weights differ by their sampling noise, not threefold over
+    a fifth of the run; a blow-up sends the holdout's loss up as well."""
+    h = holdout_data(run)
+    if not h or untrained is None:
+        return False
+    train = dict(zip(steps(run).tolist(), column(run, "loss").tolist()))
+    pairs = np.array([(train.get(s, math.nan), v) for s, v in zip(h.steps.tolist(), h.loss.tolist())])
+    pairs = pairs[np.isfinite(pairs).all(axis=1)] if len(pairs) else pairs
+    if len(pairs) < 5:
+        return False
+    early = pairs[:max(3, int(math.ceil(0.2 * len(pairs))))]
+    tr, ho = early[:, 0], early[:, 1]
+    return bool(np.median(tr) >= TRAIN_SCALE * untrained and np.median(ho) < 1.5 * untrained
+                and (ho > 0).all() and np.median(tr / ho) >= TRAIN_SCALE)
 
 
 def _began_with_a_bad_batch(run: Run, onset: int) -> bool:
@@ -1328,16 +1354,30 @@ def check_loss_diverging(run: Run) -> list:
         reasons.append(f"the train loss rose from median {_fmt(t.first)} over the first fifth of the run to "
                        f"{_fmt(t.last)} over the last ({_change_text(t.first, t.last)})")
         where.append(t.where[0])
-    untrained, _ = _chance_losses(run)
-    peak = _peak_loss(run, 1.5 * untrained) if untrained else None
-    # A model that knows nothing scores `untrained`; 1.5x that is a model confidently wrong, which only a
-    # blow-up makes of a fresh one (the healthy corpus runs never pass 1.11x), and still being at that level
-    # at the end means it never recovered.
-    if peak and peak[0] >= 1.5 * untrained and t.last >= untrained - 3 * t.se \
+    untrained, prior = _chance_losses(run)
+    # A model that knows nothing scores `untrained` per example; 1.5x that is a model confidently wrong, which
+    # only a blow-up makes of a fresh one (the healthy corpus runs never pass 1.11x), and still being at the
+    # chance level at the end means it never recovered. Both compare per-example losses: a train loss on
+    # another scale (summed over the batch) is left out, and the holdout's own loss says where the model ended.
+    per_example = untrained is not None and not _train_loss_on_another_scale(run, untrained)
+    peak = _peak_loss(run, 1.5 * untrained, train=per_example) if untrained else None
+    if per_example:
+        end, end_what = t.last, "the train loss is still {} over the last fifth of the run"
+        tolerance = 3 * t.se
+    else:
+        h = holdout_data(run)
+        late = _late(h, h.loss) if h else None
+        end = late[0] if late else -math.inf
+        end_what = "the holdout loss is still {} over the last quarter of the run"
+        tolerance = 2 * _loss_se(h) if h else 0.0
+    # At the chance level: that of a model that knows only the label shares (a blow-up that leaves a model
+    # predicting the common class ends there), within the noise but never more than a tenth below it: the
+    # noise of a loss on a larger scale must not stretch "still at chance" down to a model that learned.
+    level = prior if prior else untrained
+    if peak and peak[0] >= 1.5 * untrained and end >= level - min(tolerance, 0.1 * level) \
             and not _began_with_a_bad_batch(run, peak[3]):
         reasons.append(f"the {peak[2]} loss reached {_fmt(peak[0])} at step {peak[1]}, {peak[0] / untrained:.3g}x the "
-                       f"{_fmt(untrained)} of a model that knows nothing, and the train loss is still "
-                       f"{_fmt(t.last)} over the last fifth of the run")
+                       f"{_fmt(untrained)} of a model that knows nothing, and " + end_what.format(_fmt(end)))
         where.append(peak[3])
     if not reasons:
         return []
@@ -1345,6 +1385,27 @@ def check_loss_diverging(run: Run) -> list:
         "loss_diverging", "warning", "; ".join(reasons) + ".", _steps_list(sorted(where)),
         hint="Lower the learning rate (try 3-10x smaller) or add warmup; clip gradients (clip_grad_norm_); with "
              "ReLU networks a blow-up early on also kills units for good.")]
+
+
+KENDALL_POINTS = 400   # at most this many values, evenly spaced, go into Kendall's tau (it compares all pairs)
+
+
+def _kendall_tau(x: np.ndarray) -> float:
+    """Kendall's rank correlation of a series with time: the share of pairs in rising order minus that in
+    falling order (1 for a series that only rises). A long series is thinned to KENDALL_POINTS evenly
+    spaced values first."""
+    if len(x) > KENDALL_POINTS:
+        x = x[np.linspace(0, len(x) - 1, KENDALL_POINTS).round().astype(int)]
+    n = len(x)
+    if n < 2:
+        return 0.0
+    i, j = np.triu_indices(n, 1)
+    return float(np.sign(x[j] - x[i]).sum() / len(i))
+
+
+def _kendall_sigma(n: int) -> float:
+    """The standard deviation of Kendall's tau of n values in random order (no trend)."""
+    return math.sqrt(2 * (2 * n + 5) / (9 * n * (n - 1))) if n >= 2 else math.inf
 
 
 def check_loss_oscillating(run: Run) -> list:
@@ -1367,6 +1428,12 @@ def check_loss_oscillating(run: Run) -> list:
     # A tenth of the starting loss between two collections, typically: the healthy corpus runs stay under
     # 3% (their holdout loss moves smoothly once the first steps are done).
     if not (scale > 0 and swing >= 0.1 * scale) or np.median(half[:3]) - np.median(half[-3:]) > swing:
+        return []
+    if _kendall_tau(half) >= max(0.5, 3 * _kendall_sigma(min(len(half), KENDALL_POINTS))) and \
+            _train_improved(run, float(st[len(x) // 2]))[0]:
+        # The holdout loss climbs steadily (most pairs of collections in time order, beyond what swings around a
+        # level give) while the train loss keeps falling: a model memorising its train batches (overfitting, or
+        # labels that carry no signal), whose holdout loss churns as it climbs; not steps that overshoot.
         return []
     return [Finding(
         "loss_oscillating", "warning",
@@ -1755,16 +1822,22 @@ def _classification_at_chance(h: Holdout):
     return why, [a, b], acc < chance - band and not one_class
 
 
+CHANCE_R2 = 0.1   # the most of the mean's error (as R^2) a regression at chance may explain, whatever the noise
+
+
 def _regression_at_chance(h: Holdout):
-    """The holdout's mean squared error no better than always predicting the targets' mean (R^2 <= 0 within
-    the noise of the per-example errors)."""
+    """The holdout's mean squared error no better than always predicting the targets' mean: R^2 <= 0 within
+    the noise of the per-example errors (2 standard errors), and the point estimate itself near 0 (R^2 at most
+    CHANCE_R2), as the classification version wants the accuracy inside a band around chance. A small holdout
+    with heavy-tailed errors cannot show a fit's R^2 of 0.3 above 0 at 2 standard errors; that is a lack of
+    evidence, not a model no better than the mean."""
     late = _late(h, h.loss)
     targets = _finite(np.array([_num(v) for v in (h.raw[-1].get("targets") or [])])) if h.raw else np.array([])
     if late is None or len(targets) < 5:
         return None
     mse, a, b = late
     var = float(np.var(targets))
-    if not var > 0 or mse < var - 2 * _loss_se(h):
+    if not var > 0 or mse < var - min(2 * _loss_se(h), CHANCE_R2 * var):
         return None
     return (f"the holdout mean squared error is {_fmt(mse)} over the last quarter of the run (steps {a}-{b}), no "
             f"better than the {_fmt(var)} of always predicting the targets' mean (R^2 {1 - mse / var:.2f})"), [a, b], False

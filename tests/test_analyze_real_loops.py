@@ -271,9 +271,11 @@ def test_regression_holdout_healthy_and_plotted(tmp_path, capsys):
 # ---- calibration: real sklearn runs whose first finding used to name the wrong cause ---------------
 
 def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, every=10, seed=0,
-                class_weights=False, init=None):
-    """An MLP (ReLU) trained with Adam on (x, y) with the real TrainingTelemetry; `holdout` = (x, y) given to
-    set_holdout_data. Returns the model."""
+                class_weights=False, init=None, reduction="mean", opt="adam"):
+    """An MLP (ReLU) trained with Adam (or SGD with momentum 0.9) on (x, y) with the real TrainingTelemetry;
+    `holdout` = (x, y) given to set_holdout_data. Float targets `y` make it a regression (one output, MSE).
+    Returns the model."""
+    regression = y.is_floating_point()
     from telemetry import TelemetryConfig, TrainingTelemetry
 
     torch.manual_seed(seed)
@@ -281,14 +283,15 @@ def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, 
     for h in hidden:
         layers += [nn.Linear(d, h), nn.ReLU()]
         d = h
-    model = nn.Sequential(*layers, nn.Linear(d, int(y.max()) + 1))
+    model = nn.Sequential(*layers, nn.Linear(d, 1 if regression else int(y.max()) + 1))
     if init:
         init(model)
     weight = None
     if class_weights:   # the usual handling of imbalanced data: each class weighs total / (classes * count)
         counts = torch.bincount(y).float()
         weight = counts.sum() / (len(counts) * counts)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt == "adam"
+           else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=every,
                                             holdout_size=len(holdout[1])))
     tel.set_holdout_data(holdout)
@@ -298,7 +301,10 @@ def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, 
         if (i - 1) % per_epoch == 0:
             order = torch.randperm(len(y), generator=gen)
         idx = order[(i - 1) % per_epoch * batch:][:batch]
-        loss = F.cross_entropy(model(x[idx]), y[idx], weight=weight)
+        if regression:
+            loss = F.mse_loss(model(x[idx])[:, 0], y[idx], reduction=reduction)
+        else:
+            loss = F.cross_entropy(model(x[idx]), y[idx], weight=weight, reduction=reduction)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -421,3 +427,101 @@ def test_a_small_holdout_split_at_random_is_not_another_distribution(tmp_path):
         assert (model(x[110:]).argmax(1) == y[110:]).float().mean().item() >= 0.9
     _, found = codes(tmp_path / "r")
     assert "class_imbalance" not in found, found["class_imbalance"].message
+
+
+def test_a_train_loss_summed_over_the_batch_is_not_a_divergence(tmp_path):
+    """cross_entropy(reduction="sum"): the recorded train loss is the batch's sum, 32x a per-example mean, and
+    starts at ~32 log K. Against the per-example chance level log K that read as a loss that blew up and never
+    came back (loss_diverging, "lower the learning rate") on runs the test set scores 97-99%: with SGD at
+    0.05/32 on digits (the noise of the summed loss stretched "still at chance" down to ~0) and Adam on breast
+    cancer (the sum over a batch ends above log 2). The holdout's own per-example loss, near chance while the
+    train loss is 30x it, says which scale the train loss is on. A summed loss that does blow up is still
+    named, on the holdout's per-example loss."""
+    from sklearn.datasets import load_breast_cancer, load_digits
+
+    x, y, _ = standardized(load_digits, fit=800)
+    sgd = dict(hidden=(64,), batch=32, steps=150, every=5, reduction="sum", opt="sgd")
+    model = sklearn_run(tmp_path / "digits", x[:800], y[:800], (x[800:900], y[800:900]), lr=0.05 / 32, **sgd)
+    with torch.no_grad():
+        assert (model(x[900:]).argmax(1) == y[900:]).float().mean().item() > 0.95
+    _, found = codes(tmp_path / "digits")
+    assert "loss_diverging" not in found, found["loss_diverging"].message
+    assert not {c for c, f in found.items() if f.severity != "info"}, {c: f.message for c, f in found.items()}
+
+    xc, yc, _ = standardized(load_breast_cancer, fit=300)
+    model = sklearn_run(tmp_path / "cancer", xc[:300], yc[:300], (xc[300:360], yc[300:360]), batch=32, steps=300,
+                        reduction="sum")
+    with torch.no_grad():
+        assert (model(xc[360:]).argmax(1) == yc[360:]).float().mean().item() > 0.95
+    run, found = codes(tmp_path / "cancer")
+    assert at._loss_trend(run).last > np.log(2)   # the summed train loss ends above the per-example chance level
+    assert not {c for c, f in found.items() if f.severity != "info"}, {c: f.message for c, f in found.items()}
+
+    # 6x the learning rate: the weights blow up and the holdout's per-example loss climbs far above log 10
+    model = sklearn_run(tmp_path / "blown", x[:800], y[:800], (x[800:900], y[800:900]), lr=0.3 / 32, **sgd)
+    top = at.diagnose(at.load_run(tmp_path / "blown", progress=False))
+    assert top[0].code == "loss_diverging", [(f.code, f.message) for f in top]
+    assert "the holdout loss is still" in top[0].message
+
+
+def diabetes(seed, features=(0, 1, 2, 3)):
+    """scikit-learn's diabetes regression (age, sex, bmi, blood pressure by default), shuffled; features and
+    targets standardised with the statistics of the first 250 examples (the train split)."""
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    order = np.random.RandomState(seed).permutation(len(y))
+    x, y = x[order][:, list(features)].astype(np.float32), y[order].astype(np.float32)
+    x, y = (x - x[:250].mean(0)) / x[:250].std(0), (y - y[:250].mean()) / y[:250].std()
+    return torch.tensor(x), torch.tensor(y)
+
+
+def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
+    """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
+    fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
+    holdout's MSE reach past the targets' variance: R^2 > 0 cannot be shown there, and holdout_at_chance
+    (critical, "no better than the mean") turned that lack of evidence into a claim. Chance needs the point
+    estimate near the mean's error; the same loop on shuffled train targets is at chance and says so."""
+    x, y = diabetes(2)
+    run = dict(hidden=(16,), batch=16, steps=300, every=10, seed=2)
+    model = sklearn_run(tmp_path / "fit", x[:250], y[:250], (x[250:290], y[250:290]), **run)
+    with torch.no_grad():
+        test_mse = F.mse_loss(model(x[300:])[:, 0], y[300:]).item()
+    assert 1 - test_mse / y[300:].var(unbiased=False).item() > 0.3   # the fresh examples: it beats the mean
+    r, found = codes(tmp_path / "fit")
+    h = at.holdout_data(r)
+    var = float(np.var(h.raw[-1]["targets"]))
+    assert 1 - at._late(h, h.loss)[0] / var > 0.15   # the holdout's own estimate says so too
+    assert "holdout_at_chance" not in found, found["holdout_at_chance"].message
+
+    shuffled = y[:250][torch.randperm(250, generator=torch.Generator().manual_seed(0))]
+    sklearn_run(tmp_path / "shuffled", x[:250], shuffled, (x[250:290], y[250:290]), **run)
+    top = at.diagnose(at.load_run(tmp_path / "shuffled", progress=False))
+    assert top[0].code == "holdout_at_chance", [(f.code, f.message) for f in top]
+    assert "no better than the" in top[0].message and "always predicting the targets' mean" in top[0].message
+
+
+def test_memorised_shuffled_labels_are_at_chance_not_an_oscillating_loss(tmp_path):
+    """Breast cancer with the train labels permuted: a 256-256 MLP memorises them (train accuracy 1.0) and the
+    holdout loss climbs steadily from log 2, with the churn of 60 examples changing sides around the climb.
+    That churn is over a tenth of log 2 between collections, and loss_oscillating (critical through what it
+    took under it, "lower the learning rate") led and took the right holdout_at_chance under it. A holdout
+    loss that climbs in time order while the train loss keeps falling is memorisation, not steps that
+    overshoot; the lr=0.5 SGD run of test_diagnosis_checks.py, whose holdout loss swings around a level, is
+    still loss_oscillating."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y, _ = standardized(load_breast_cancer, fit=250)
+    shuffled = y[:250][torch.randperm(250, generator=torch.Generator().manual_seed(0))]
+    model = sklearn_run(tmp_path / "r", x[:250], shuffled, (x[250:310], y[250:310]), hidden=(256, 256), steps=800,
+                        every=17)
+    with torch.no_grad():
+        assert (model(x[:250]).argmax(1) == shuffled).float().mean().item() == 1.0   # memorised
+        assert (model(x[310:]).argmax(1) == y[310:]).float().mean().item() < 0.7   # ~the majority class's share
+    h = at.holdout_data(at.load_run(tmp_path / "r", progress=False))
+    half = h.loss[len(h.loss) // 2:]
+    assert np.median(half[-3:]) > np.median(half[:3]) + 0.3 > np.log(2)   # a climb, not a swing around a level
+    top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
+    assert top[0].code == "holdout_at_chance", [(f.code, f.message) for f in top]
+    assert "loss_oscillating" not in {f.code for f in at.every_finding(top)}
+    assert "overfitting" in {f.code for f in top[0].consequences}
