@@ -1011,6 +1011,30 @@ def check_lr_zero(run: Run) -> list:
     return findings
 
 
+def check_ignored_group_key(run: Run) -> list:
+    """Param-group keys the optimizer never reads that look like one it does ("learning_rate" for "lr"), with
+    another value (telemetry.py lists them in run.json): that setting was never applied, and the learning
+    rates the records show are what the group trained at. A head's 10x lr written so is otherwise invisible."""
+    ignored = run.meta.get("ignored_group_keys")
+    findings = []
+    for g, keys in (ignored.items() if isinstance(ignored, dict) else []):
+        for key, entry in (keys.items() if isinstance(keys, dict) else []):
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str)
+                    and all(math.isfinite(_num(v)) for v in (entry[0], entry[2]))):
+                continue
+            value, meant, used = _num(entry[0]), entry[1], _num(entry[2])
+            optimizer = _text(run.meta.get("optimizer") or "the optimizer")
+            findings.append(Finding(
+                "ignored_group_key", "warning",
+                f"group '{_text(g)}' sets {_text(key)}={_fmt(value)}, a key {optimizer} never reads: the group "
+                f"trained with {_text(meant)}={_fmt(used)}" + (f" ({_fmt(value / used)}x less than meant)"
+                                                               if meant == "lr" and used and value > used else "")
+                + ".", _steps_list(steps(run)[:1]), group=_text(g),
+                hint=f"Spell the key as the optimizer does ({_text(meant)}); the learning rates each group "
+                     "trained at are in the records' learning_rates."))
+    return findings
+
+
 def _standing_still(run: Run, g: str):
     """([evidence], [first steps]) that group g does not move while the other groups do: its gradient 0 or
     absent, or its weight delta 0, in >= 80% of the collections after the first."""
@@ -2470,7 +2494,7 @@ def check_metric_errors(run: Run) -> list:
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_missing_gradients, check_not_in_optimizer, check_frozen_parameters,
-          check_lr_zero, check_lora, check_frozen_groups, check_not_learning, check_repeated_batches,
+          check_lr_zero, check_ignored_group_key, check_lora, check_frozen_groups, check_not_learning, check_repeated_batches,
           check_unshuffled_batches, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
           check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
           check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting,
@@ -2487,7 +2511,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # finding that a higher-ranked one explains (CONSEQUENCES) is listed under it, not beside it.
 STAGES = (
     ("section_failed", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lora_not_learning", "lr_zero",
-     "not_learning"),
+     "ignored_group_key", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2511,6 +2535,8 @@ FINDINGS = {
                           "whose learning rate is above 0"),
     "lora_not_learning": (("critical",), "analyzer", "a LoRA adapter stays at zero (B never leaves 0)"),
     "lr_zero": (("warning", "critical"), "both", "a group's learning rate is 0 while others train"),
+    "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
+                          "it does (learning_rate for lr): that setting was never applied"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),

@@ -9,6 +9,7 @@ start, the regression holdout), the test writes it into the real records itself,
 import csv
 import json
 import sys
+import warnings
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -525,3 +526,40 @@ def test_memorised_shuffled_labels_are_at_chance_not_an_oscillating_loss(tmp_pat
     assert top[0].code == "holdout_at_chance", [(f.code, f.message) for f in top]
     assert "loss_oscillating" not in {f.code for f in at.every_finding(top)}
     assert "overfitting" in {f.code for f in top[0].consequences}
+
+
+@pytest.mark.parametrize("key", ["learning_rate", "lr"])
+def test_a_heads_10x_lr_under_a_key_the_optimizer_never_reads(tmp_path, key):
+    """A backbone at lr 1e-4 and a head meant to train at 1e-3, written as "learning_rate", which Adam never
+    reads: the head trains at 1e-4, and nothing else in the records shows it (two groups at one lr are a
+    setting like any other). The analyzer names the key, the lr the group trained at and how far below the
+    meant one, first; spelt as "lr", nothing of the kind is said."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y, _ = standardized(load_digits, fit=800)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam([{"params": model[0].parameters(), "name": "backbone"},
+                            {"params": model[2].parameters(), "name": "head", key: 1e-3}], lr=1e-4)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=10, holdout_size=100))
+    tel.set_holdout_data((x[800:900], y[800:900]))
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # telemetry's own warning names the key too
+        for i in range(1, 301):
+            idx = torch.randint(0, 800, (32,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+    run, found = codes(tmp_path)
+    if key == "lr":
+        assert "ignored_group_key" not in found
+        return
+    first = at.diagnose(run)[0]
+    assert first.code == "ignored_group_key" and first.group == "head", first
+    assert "sets learning_rate=0.001, a key Adam never reads: the group trained with lr=1.00e-04 (10x less " \
+           "than meant)" in first.message
