@@ -3692,8 +3692,17 @@ class _Gradients:
             sq = sq / scale.to(device, torch.float32).square()
         return sq, has
 
-    def capture(self, layout: _Layout, optimizer: Any, step: int) -> None:
-        self.captured = (layout.key, step, self.rows(layout, optimizer, pre_step=True))
+    def capture(self, layout: _Layout, optimizer: Any, step: int, stepping: Any = None) -> None:
+        """Read the gradients before the step. With `stepping`, one of several optimizers that step one after
+        the other on gradients of their own (a GAN's, in manual optimization), only its tensors' readings
+        replace those of an earlier capture for the same step."""
+        sq, has = self.rows(layout, optimizer, pre_step=True)
+        if stepping is not None and self.captured is not None and self.captured[:2] == (layout.key, step):
+            held = {id(p) for g in getattr(stepping, "param_groups", ()) for p in g["params"]}
+            mine = torch.tensor([id(p) in held for p in layout.params])
+            old_sq, old_has = self.captured[2]
+            sq, has = torch.where(mine.to(sq.device), sq, old_sq.to(sq.device)), torch.where(mine, has, old_has)
+        self.captured = (layout.key, step, (sq, has))
 
     def section(self, c: _Collection, layout: _Layout, optimizer: Any, step: int, ranks: Any) -> Any:
         captured, self.captured = self.captured, None
@@ -4632,17 +4641,20 @@ class TrainingTelemetry:
         self._scaler.set(scaler)
 
     def capture_gradients(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                          batch_idx: int) -> bool:
+                          batch_idx: int, stepping: Optional[torch.optim.Optimizer] = None) -> bool:
         """Read the gradients now, before optimizer.step() and clipping, for the record that on_batch_end
         makes for this batch_idx. For code that runs before the step: Lightning's on_before_optimizer_step,
         or between DeepSpeed's engine.backward() and engine.step(). Still-scaled gradients (no
-        scaler.unscale_ yet) are divided by the scale. True when it read them."""
+        scaler.unscale_ yet) are divided by the scale. Several optimizers that step in turn, each after a
+        backward of its own: call it before each one's step with `stepping=` that one, and each tensor keeps
+        the gradient its own optimizer stepped on. True when it read them."""
         if not self._active() or not self._schedule.will_collect(batch_idx) or not self.config.track_gradients:
             return False
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
         try:
             # For the next on_batch_end call only (it counts self.step up by one).
-            self._gradients.capture(self._layout_for(_unwrap_model(model), optimizer), optimizer, self.step + 1)
+            self._gradients.capture(self._layout_for(_unwrap_model(model), optimizer), optimizer, self.step + 1,
+                                    stepping)
             return True
         except Exception as exc:
             if self.config.strict:
@@ -5070,8 +5082,10 @@ def lightning_callback_class() -> type:
           on_before_optimizer_step, and recorded as the lr this step used;
         - batch_idx is Lightning's, per epoch: collect_every_n counts batches. With accumulate_grad_batches
           > 1, only batches that end an optimizer step are collected (whole gradients), and the loss is the
-          sum of the step's micro-batch losses, which Lightning divided by accumulate_grad_batches: the
-          number the step's backward()s added up to;
+          mean of the step's micro-batch losses (Lightning divides each by accumulate_grad_batches, even at
+          an epoch's last step, which may hold fewer);
+        - in manual optimization, each optimizer's tensors keep the gradients read before its own step (a
+          GAN's two backward()s);
         - the scalars logged with self.log (trainer.callback_metrics: train accuracy, say) go with the loss;
         - 16-mixed precision's GradScaler is picked up in on_fit_start (the grad_scaler section).
         Under DDP the callback runs on every rank and rank 0 writes; under FSDP2 (ModelParallelStrategy)
@@ -5083,6 +5097,7 @@ def lightning_callback_class() -> type:
             self._batch_idx = 0
             self._used_lrs: List[tuple] = []  # (param group, its lr when the optimizer stepped)
             self._loss: Optional[torch.Tensor] = None  # the micro-batch losses since the last step, added up
+            self._micro = 0  # how many
 
         def on_fit_start(self, trainer, pl_module):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -5095,17 +5110,18 @@ def lightning_callback_class() -> type:
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self._used_lrs += [(g, g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"])
                                for g in getattr(optimizer, "param_groups", ())]
-            self.telemetry.capture_gradients(pl_module, self._optimizer(trainer), self._batch_idx)
+            self.telemetry.capture_gradients(pl_module, self._optimizer(trainer), self._batch_idx, stepping=optimizer)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             loss = loss.detach() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
             if pl_module.automatic_optimization and loss is not None:
                 self._loss = loss if self._loss is None else self._loss + loss
-                loss = self._loss
+                self._micro += 1
+                loss = self._loss * (trainer.accumulate_grad_batches / self._micro)
             stepped, self._used_lrs = self._used_lrs, []
             if stepped:
-                self._loss = None
+                self._loss, self._micro = None, 0
             with _lrs_as_used(stepped):
                 self.telemetry.on_batch_end(pl_module, self._optimizer(trainer), batch_idx, trainer.current_epoch,
                                             device=pl_module.device, batch=batch, loss=loss,

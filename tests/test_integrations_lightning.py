@@ -176,3 +176,48 @@ def test_two_optimizers_in_manual_optimization_are_both_recorded(tmp_path):
     for record in records:
         assert record["learning_rates"]["group_0"] == 0.5 and record["learning_rates"]["group_1"] == 0.01
         assert math.isclose(record["gradient_norm"]["overall"], module.norms[record["batch_idx"]], rel_tol=1e-6)
+
+
+class TwoLosses(TwoOptimizers):
+    """Manual optimization as a GAN does it: each optimizer steps on a backward of its own loss. Each one's
+    gradient norm is taken by the module right before its step."""
+
+    def __init__(self):
+        super().__init__()
+        self.own = []  # per batch: (the body's norm before its step, the head's before its)
+
+    def training_step(self, batch, batch_idx):
+        body, head = self.optimizers()
+        x, y = batch
+        body.zero_grad()
+        head.zero_grad()
+        self.manual_backward(torch.nn.functional.cross_entropy(self(x), y))
+        before_body = torch.nn.utils.get_total_norm([p.grad for p in self.body.parameters()]).item()
+        body.step()
+        body.zero_grad()
+        head.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self(x), (y + 1) % 3)  # another loss, another gradient
+        self.manual_backward(loss)
+        self.own.append((before_body, torch.nn.utils.get_total_norm([p.grad for p in self.head.parameters()]).item()))
+        head.step()
+        return loss
+
+
+def test_optimizers_stepping_on_losses_of_their_own_each_keep_their_gradient(tmp_path):
+    module, records, _ = fit(tmp_path, TwoLosses)
+    assert [r["batch_idx"] for r in records] == [0, 2, 4]
+    for record in records:
+        body, head = module.own[record["batch_idx"]]
+        assert math.isclose(record["gradient_norm"]["group_0"], body, rel_tol=1e-6)
+        assert math.isclose(record["gradient_norm"]["group_1"], head, rel_tol=1e-6)
+        assert math.isclose(record["gradient_norm"]["overall"], math.hypot(body, head), rel_tol=1e-6)
+
+
+def test_an_epochs_last_shorter_step_records_its_mean_loss(tmp_path):
+    """6 batches, 4 per optimizer step: the epoch's second step holds 2 micro-batches, whose losses
+    Lightning still divides by 4. The record holds their mean (2x what the backward()s added up to), as for
+    the whole steps, against the losses training_step returned."""
+    module, records, _ = fit(tmp_path, accumulate_grad_batches=4)
+    assert [r["batch_idx"] for r in records] == [3, 5]
+    for record, losses in zip(records, [module.losses[:4], module.losses[4:]]):
+        assert math.isclose(record["loss"], sum(losses) / len(losses), rel_tol=1e-6)
