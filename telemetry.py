@@ -4640,6 +4640,14 @@ class TrainingTelemetry:
         step backs it off), with tensor ops only."""
         self._scaler.set(scaler)
 
+    def keep_initial_weights(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Keep W_0, which drift is measured from, now: call it before the first optimizer step, and drift
+        counts that step too. Otherwise the hook's first call keeps it, after the first step. The HF and
+        Lightning callbacks call it when training begins; a run resumed on its directory keeps the W_0 it
+        has."""
+        if self.config.enabled and not self._closed and self._active() and self._reference.initial_pending:
+            self._capture_initial(_unwrap_model(model), _one_optimizer(optimizer, self._optimizer_lists))
+
     def capture_gradients(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                           batch_idx: int, stepping: Optional[torch.optim.Optimizer] = None) -> bool:
         """Read the gradients now, before optimizer.step() and clipping, for the record that on_batch_end
@@ -4976,11 +4984,13 @@ def hf_callback_class() -> type:
             self._pending: Optional[Dict[str, Any]] = None
             self._epoch = 0
 
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._detach()
             if model is not None and self.telemetry._active():
                 self._handles = [model.register_forward_pre_hook(self._see_batch, with_kwargs=True),
                                  model.register_forward_hook(self._see_output, with_kwargs=True)]
+                if optimizer is not None:  # drift from the weights before the first step
+                    self.telemetry.keep_initial_weights(model, optimizer)
 
         def on_epoch_begin(self, args, state, control, **kwargs):
             self._epoch = int(state.epoch or 0)
@@ -5103,6 +5113,9 @@ def lightning_callback_class() -> type:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             if scaler is not None:
                 self.telemetry.set_grad_scaler(scaler)
+
+        def on_train_start(self, trainer, pl_module):  # the optimizers exist; no step yet
+            self.telemetry.keep_initial_weights(pl_module, self._optimizer(trainer))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._batch_idx = batch_idx

@@ -221,3 +221,18 @@ def test_an_epochs_last_shorter_step_records_its_mean_loss(tmp_path):
     assert [r["batch_idx"] for r in records] == [3, 5]
     for record, losses in zip(records, [module.losses[:4], module.losses[4:]]):
         assert math.isclose(record["loss"], sum(losses) / len(losses), rel_tol=1e-6)
+
+
+class Started(Tiny):
+    def on_train_start(self):
+        self.start = [p.detach().clone() for p in self.parameters()]
+
+
+def test_drift_counts_the_first_step(tmp_path):
+    """The callback keeps W_0 when training starts: drift is the distance from the weights before the first
+    step, against the module's own copies."""
+    module, records, _ = fit(tmp_path, Started)
+    for record in records:
+        moved = torch.nn.utils.get_total_norm(
+            [now - before for now, before in zip(module.weights[record["batch_idx"]], module.start)]).item()
+        assert moved > 0 and math.isclose(record["drift"]["overall"], moved, rel_tol=1e-5)

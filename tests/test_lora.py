@@ -499,3 +499,29 @@ def test_example_unsloth_run_on_gpu(tmp_path):
     assert records and all("lora" in r and "trainer" in r for r in records)
     for r in records:
         assert rel(r["gradient_norm"]["overall"], r["trainer"]["grad_norm"]) < 1e-3  # bf16/fp16 on GPU
+
+
+def test_trainer_drift_counts_the_first_step(tmp_path):
+    """The callback keeps W_0 when training begins, so drift is the distance from the weights before the
+    first step (against float64 copies taken then and after each step), not from those after it."""
+    from transformers import TrainerCallback
+
+    model = lora_model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    start = [p.detach().double().clone() for p in trainable]
+    after = {}
+
+    class Copies(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            after[state.global_step] = [p.detach().double().clone() for p in trainable]
+
+    tele = new_telemetry(tmp_path / "run")
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=3,
+                             logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[tele.hf_callback(), Copies()])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    for r in read_records(str(tmp_path / "run")):
+        want = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(after[r["step"]], start)))
+        assert want > 0 and rel(r["drift"]["overall"], want) < 1e-5

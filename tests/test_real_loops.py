@@ -1144,3 +1144,28 @@ def test_complex_parameters_are_named_and_the_real_ones_measured(tmp_path):
             assert r["weight_delta"]["overall"] == pytest.approx(delta, rel=1e-5)
     info = json.loads((tmp_path / "run.json").read_text())
     assert info["complex"] == {"tensors": 1, "elements": 33, "names": ["filter"]}
+
+
+def test_keep_initial_weights_before_the_first_step(tmp_path):
+    """Without it, W_0 is kept at the hook's first call, after the first step, and drift leaves that step
+    out (0 at step 1); with keep_initial_weights before the loop, drift is from the weights the run began
+    with. Both against float64 copies."""
+    x, y = digits()
+    for keep in (False, True):
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / str(keep)), collect_every_n=2))
+        copies = [[p.detach().double().clone() for p in model.parameters()]]
+        if keep:
+            tel.keep_initial_weights(model, opt)
+        for i in range(5):
+            nn.functional.cross_entropy(model(x[i * 32:(i + 1) * 32]), y[i * 32:(i + 1) * 32]).backward()
+            opt.step()
+            copies.append([p.detach().double().clone() for p in model.parameters()])
+            tel.on_batch_end(model, opt, i, 0)
+            opt.zero_grad()
+        tel.close()
+        base = copies[0] if keep else copies[1]
+        for r in read(str(tmp_path / str(keep))):
+            want = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(copies[r["step"]], base)))
+            assert r["drift"]["overall"] == pytest.approx(want, rel=1e-5, abs=1e-7)
