@@ -4718,6 +4718,24 @@ class TrainingTelemetry:
     def _active(self) -> bool:
         return self._files is not None and not self._files.stopped and not self._off and not self._closed
 
+    def _capture_rows(self, model, optimizer, step: int, squares: Dict[int, torch.Tensor]) -> None:
+        """capture_gradients for the record of `step` from squared norms read earlier ({id(parameter):
+        ||grad||^2}): the HF callback's gradients before clipping."""
+        try:
+            layout = self._layout_for(_unwrap_model(model), optimizer)
+            found = [squares.get(id(p)) for p in layout.params]
+            if not any(v is not None for v in found):
+                return
+            device = next(v for v in found if v is not None).device
+            sq = torch.stack([v.to(device) if v is not None else torch.zeros((), device=device) for v in found])
+            has = torch.tensor([float(v is not None) for v in found])
+            self._gradients.captured = (layout.key, step, (sq.float(), has))
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            self._warn("capture", f"telemetry: the gradients read before clipping could not be used ({exc!r}); "
+                                  "the norms are those after clipping")
+
     def _collect_held(self, model, optimizer, global_step: int, epoch: int, batch: Any, loss: Any):
         """on_batch_end for optimizer step global_step + 1, its record held back until _release_held()."""
         self.step = global_step  # on_batch_end counts it up to this optimizer step
@@ -4966,6 +4984,11 @@ def hf_callback_class() -> type:
         - it collects in on_optimizer_step, where the gradients (after clipping) are still there, the
           weights are updated and every group's lr is the one this step used. Never in on_step_end: the
           gradients are gone by then;
+        - with clipping (max_grad_norm > 0, the default) the norms are read before it: on a step that will
+          collect, a hook on each trainable tensor takes its gradient's squared norm once backward() has
+          accumulated it, the last micro-batch's reading being the step's. Not in a distributed run (DDP
+          averages the gradients after these hooks) nor with fp16's GradScaler (still scaled there): then
+          the norms are those after clipping, which the optimizer stepped on;
         - it holds that record back until the Trainer logs the same step, and adds the logged pre-clip
           `grad_norm` (and the logged `loss`) as the `trainer` section. When the Trainer does not log that
           step the record is written, without `trainer`, at the next step or at the end of training;
@@ -4983,6 +5006,9 @@ def hf_callback_class() -> type:
             self._loss_is_sum = False
             self._pending: Optional[Dict[str, Any]] = None
             self._epoch = 0
+            self._grad_hooks: List[Any] = []
+            self._armed = False  # the coming optimizer step collects: the hooks read the gradients
+            self._pre_clip: Dict[int, torch.Tensor] = {}  # id(parameter) -> ||grad||^2 before clipping
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._detach()
@@ -4991,6 +5017,10 @@ def hf_callback_class() -> type:
                                  model.register_forward_hook(self._see_output, with_kwargs=True)]
                 if optimizer is not None:  # drift from the weights before the first step
                     self.telemetry.keep_initial_weights(model, optimizer)
+                if args.max_grad_norm and args.max_grad_norm > 0 and getattr(optimizer, "scaler", None) is None \
+                        and _rank_and_world()[1] == 1:
+                    self._grad_hooks = [p.register_post_accumulate_grad_hook(self._see_gradient)
+                                        for p in model.parameters() if p.requires_grad]
 
         def on_epoch_begin(self, args, state, control, **kwargs):
             self._epoch = int(state.epoch or 0)
@@ -4998,9 +5028,15 @@ def hf_callback_class() -> type:
         def on_step_begin(self, args, state, control, **kwargs):
             self._release()
             self._losses = []
+            self._pre_clip = {}
+            self._armed = bool(self._grad_hooks) and self.telemetry._active() and \
+                self.telemetry._schedule.will_collect(state.global_step + 1)
 
         def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._release()
+            if self._armed and self._pre_clip:
+                self.telemetry._capture_rows(model, optimizer, state.global_step + 1, self._pre_clip)
+            self._armed, self._pre_clip = False, {}
             self._pending = self.telemetry._collect_held(model, optimizer, state.global_step, self._epoch,
                                                          self._batch, self._step_loss())
             self._losses = []
@@ -5031,9 +5067,13 @@ def hf_callback_class() -> type:
             self.telemetry._release_held()
 
         def _detach(self):
-            for handle in self._handles:
+            for handle in self._handles + self._grad_hooks:
                 handle.remove()
-            self._handles = []
+            self._handles, self._grad_hooks = [], []
+
+        def _see_gradient(self, parameter):
+            if self._armed and parameter.grad is not None:
+                self._pre_clip[id(parameter)] = per_tensor_sq_norms([_dense(parameter.grad.detach())])[0]
 
         def _see_batch(self, module, args, kwargs):
             if module.training and torch.is_grad_enabled():  # not the holdout's or evaluate()'s forwards

@@ -525,3 +525,25 @@ def test_trainer_drift_counts_the_first_step(tmp_path):
     for r in read_records(str(tmp_path / "run")):
         want = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(after[r["step"]], start)))
         assert want > 0 and rel(r["drift"]["overall"], want) < 1e-5
+
+
+def test_trainer_clipping_records_the_norm_before_it(tmp_path):
+    """max_grad_norm 0.05, under every step's norm, with 2 micro-batches a step: the records hold the norms
+    before clipping, equal to the Trainer's logged grad_norm (which it takes there), not the clipped 0.05.
+    The gradient hooks are gone after training."""
+    model = lora_model()
+    tele = new_telemetry(tmp_path / "run")
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=4,
+                             gradient_accumulation_steps=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.05,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[tele.hf_callback()])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    records = read_records(str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and min(logged.values()) > 0.1
+    for r in records:
+        assert rel(r["gradient_norm"]["overall"], logged[r["step"]]) < 1e-5
+        groups = [v for k, v in r["gradient_norm"].items() if k in ("lora_A", "lora_B")]
+        assert rel(math.hypot(*groups), logged[r["step"]]) < 1e-5
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
