@@ -4252,11 +4252,24 @@ class _Holdout:
         return [batch_size_of(b) for b in self.batches]
 
     def on(self, model: torch.nn.Module, device: Any) -> List[Any]:
+        """The batches on `device`, their floating-point inputs (not their labels) in the dtype of the model's
+        floating-point weights when they all have one (a model turned to bf16 or float64 before or during
+        training runs on inputs of its dtype, as the loop's own inputs are)."""
         device = torch.device(device) if device is not None else _model_device(model)
-        batches = self.on_device.get(str(device))
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
+        key = f"{device}/{dtype}"
+        batches = self.on_device.get(key)
         if batches is None:
-            batches = self.on_device[str(device)] = [move_to(b, device) for b in self.batches]
+            batches = self.on_device[key] = [self._inputs_as(move_to(b, device), dtype) for b in self.batches]
         return batches
+
+    def _inputs_as(self, batch: Any, dtype: Optional[torch.dtype]) -> Any:
+        if dtype is None:
+            return batch
+        labels = holdout_labels(batch, self.config.batch_label_key, None)[0] if self.labels is None else None
+        return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype and t is not labels
+                           else t, batch)
 
     def forward_one(self, model: torch.nn.Module, batch: Any) -> tuple:
         """(predictions, labels) of one holdout batch."""

@@ -1169,3 +1169,36 @@ def test_keep_initial_weights_before_the_first_step(tmp_path):
         for r in read(str(tmp_path / str(keep))):
             want = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(copies[r["step"]], base)))
             assert r["drift"]["overall"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_model_in_another_dtype_runs_the_holdout_in_it(tmp_path, dtype):
+    """A model turned to bf16 before training, or to float64 mid-run, given a float32 holdout: its inputs
+    run in the model's dtype (as the loop's own do), its labels stay as they are, and every collection
+    scores like an eval() pass on inputs cast the same way, where before each one failed."""
+    x, y = digits()
+    model = mlp()
+    if dtype == torch.bfloat16:
+        model = model.to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, strict=True))
+    tel.set_holdout_data((x[-50:], y[-50:]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # float64 mid-run: the references no longer match
+        for i in range(4):
+            if i == 2 and dtype == torch.float64:
+                model = model.to(dtype)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            inputs = x[i * 32:(i + 1) * 32].to(next(model.parameters()).dtype)
+            nn.functional.cross_entropy(model(inputs).float(), y[i * 32:(i + 1) * 32]).backward()
+            opt.step()
+            record = tel.on_batch_end(model, opt, i, 0)
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                logits = model(x[-50:].to(next(model.parameters()).dtype)).double()
+            model.train()
+            assert record["holdout_logits"]["predictions"] == logits.argmax(-1).tolist()
+            assert record["holdout_logits"]["loss"] == pytest.approx(
+                nn.functional.cross_entropy(logits, y[-50:]).item(), rel=1e-5)
+    tel.close()
