@@ -970,8 +970,9 @@ def check_missing_gradients(run: Run) -> list:
     for g in _groups(run, "gradient_norm"):
         null &= np.isnan(column(run, ("gradient_norm", g)))
     missing = [int(v) for v in steps(run)[null]]
-    if not missing:
-        return []
+    groups = {g: info for g, info in _meta_groups(run).items() if g != NOT_IN_OPTIMIZER}
+    if not missing or groups and not any(_count(info, "tensors") for info in groups.values()):
+        return []   # the optimizer holds no trainable tensor: no .grad to read (frozen_parameters, not_in_optimizer)
     share = len(missing) / considered
     return [Finding(
         "missing_gradients", "critical" if share >= 0.5 else "warning",

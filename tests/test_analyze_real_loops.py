@@ -563,3 +563,35 @@ def test_a_heads_10x_lr_under_a_key_the_optimizer_never_reads(tmp_path, key):
     assert first.code == "ignored_group_key" and first.group == "head", first
     assert "sets learning_rate=0.001, a key Adam never reads: the group trained with lr=1.00e-04 (10x less " \
            "than meant)" in first.message
+
+
+def test_an_optimizer_that_holds_only_frozen_tensors_is_not_a_call_order_problem(tmp_path):
+    """The optimizer built over a backbone that was then frozen, the new head trainable but in no optimizer
+    (an adapter added after the optimizer was made): no tensor the optimizer holds has a .grad, so every
+    gradient norm is null. That is not a hook called after zero_grad (missing_gradients, 'call on_batch_end
+    before zero_grad'): the causes are the frozen group and the head outside the optimizer, and they lead."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y, _ = standardized(load_digits, fit=800)
+    torch.manual_seed(0)
+    backbone, head = nn.Sequential(nn.Linear(64, 32), nn.ReLU()), nn.Linear(32, 10)
+    opt = torch.optim.Adam(backbone.parameters(), lr=1e-3)
+    backbone.requires_grad_(False)
+    model = nn.Sequential(backbone, head)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=5, holdout_size=100))
+    tel.set_holdout_data((x[800:900], y[800:900]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for i in range(1, 101):
+            idx = slice((i * 32) % 768, (i * 32) % 768 + 32)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
+            opt.zero_grad()
+    tel.close()
+    run, found = codes(tmp_path)
+    assert all(r["gradient_norm"]["overall"] is None for r in run.records)
+    assert "missing_gradients" not in found, found["missing_gradients"].message
+    assert at.diagnose(run)[0].code in ("not_in_optimizer", "frozen_parameters")
