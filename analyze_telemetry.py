@@ -2173,6 +2173,27 @@ def _train_set_size(run: Run):
     return float(np.median(size[ok])) * (st[ok][-1] - st[ok][0]) / (ep[ok][-1] - ep[ok][0])
 
 
+def check_padding_supervised(run: Run) -> list:
+    """Padding positions (attention_mask 0) whose labels are not IGNORE_INDEX, in most of a language model's
+    train batches: the loss trains the model to predict the pad token, and a holdout built the same way
+    counts those easy positions too (its loss reads better than the text's)."""
+    padded, supervised = column(run, "batch_stats.padding_share"), column(run, "batch_stats.padding_supervised")
+    ok = np.isfinite(padded) & np.isfinite(supervised) & (padded > 0)
+    if ok.sum() < 3:
+        return []
+    share = supervised[ok] / padded[ok]
+    if np.median(share) < 0.5 or np.median(supervised[ok]) < 0.01:
+        return []
+    return [Finding(
+        "padding_supervised", "warning",
+        f"in {int((share > 0).sum())} of {int(ok.sum())} train batches the padding (attention_mask 0) has labels: "
+        f"a median {float(np.median(share)):.0%} of the padding positions, "
+        f"{_fmt(100 * float(np.median(supervised[ok])))}% of all positions, train the model to predict padding.",
+        _steps_list(steps(run)[ok][share > 0][:1]),
+        hint="Set the labels to -100 where attention_mask is 0 (DataCollatorForLanguageModeling does; with "
+             "pad_token = eos_token, mask by the attention mask, not by the token id), in the holdout too.")]
+
+
 def check_class_imbalance(run: Run) -> list:
     """The train batches' label shares far from balanced, or far from the holdout's."""
     found = _train_shares(run)
@@ -2495,11 +2516,12 @@ def check_metric_errors(run: Run) -> list:
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_missing_gradients, check_not_in_optimizer, check_frozen_parameters,
-          check_lr_zero, check_ignored_group_key, check_lora, check_frozen_groups, check_not_learning, check_repeated_batches,
-          check_unshuffled_batches, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
-          check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
-          check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting,
-          check_forgetting, check_telemetry_alerts, check_metric_errors)
+          check_lr_zero, check_ignored_group_key, check_lora, check_frozen_groups, check_not_learning,
+          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_class_imbalance,
+          check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
+          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
+          check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
+          check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2513,7 +2535,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lora_not_learning", "lr_zero",
      "ignored_group_key", "not_learning"),
-    ("repeated_batches", "unshuffled_batches", "class_imbalance"),
+    ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
     ("dead_units", "saturated_units", "vanishing_gradients", "frozen_group"),
@@ -2542,6 +2564,8 @@ FINDINGS = {
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),
+    "padding_supervised": (("warning",), "analyzer", "a language model's padding positions have labels: the loss "
+                           "trains it to predict padding"),
     "class_imbalance": (("warning",), "analyzer", "the batches' label shares are far from even, or from the "
                         "holdout's"),
     "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights (the gradients of steps a "

@@ -501,13 +501,18 @@ def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
 
 
 def token_balance(batch: Dict[str, Any]) -> Dict[str, Any]:
-    """Tokens, share of supervised label positions and padding share of a language-model batch."""
+    """Tokens, share of supervised label positions and padding share of a language-model batch, and the share
+    of positions that are padding yet supervised (labels other than IGNORE_INDEX where attention_mask is 0)."""
     ids = batch["input_ids"]
     stats: Dict[str, Any] = {"batch_size": int(ids.shape[0]), "tokens": int(ids.numel())}
     if isinstance(batch.get("labels"), torch.Tensor):
         stats["label_share"] = (batch["labels"] != IGNORE_INDEX).float().mean()
-    if isinstance(batch.get("attention_mask"), torch.Tensor):
-        stats["padding_share"] = (batch["attention_mask"] == 0).float().mean()
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        stats["padding_share"] = (mask == 0).float().mean()
+        labels = batch.get("labels")
+        if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:  # padding the loss still supervises
+            stats["padding_supervised"] = ((mask == 0) & (labels != IGNORE_INDEX)).float().mean()
     return stats
 
 

@@ -595,3 +595,56 @@ def test_an_optimizer_that_holds_only_frozen_tensors_is_not_a_call_order_problem
     assert all(r["gradient_norm"]["overall"] is None for r in run.records)
     assert "missing_gradients" not in found, found["missing_gradients"].message
     assert at.diagnose(run)[0].code in ("not_in_optimizer", "frozen_parameters")
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_padding_that_keeps_its_labels_is_named(tmp_path, masked):
+    """A character GRU on Python's own source, windows of 16-48 characters right-padded to 48 with an
+    attention mask. Labels copied from the ids without -100 at the padding train the model to predict it
+    (a third of the positions): padding_supervised, against batch_stats' counts of the batch; masked, the
+    run says nothing of the kind."""
+    import inspect
+    import textwrap as source
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    text = torch.tensor([min(ord(c), 127) for c in inspect.getsource(source)[:48 * 400]]).reshape(400, 48)
+    lengths = torch.randint(16, 49, (400,), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(48)[None, :] < lengths[:, None]).long()
+    ids = text * mask   # 0 is the pad token
+    labels = ids.masked_fill(mask == 0, -100) if masked else ids.clone()
+
+    class CharLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.rnn, self.head = nn.Embedding(128, 32), nn.GRU(32, 32, batch_first=True), nn.Linear(32, 128)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.head(self.rnn(self.emb(input_ids))[0])
+
+    model = CharLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=5, holdout_size=32))
+    tel.set_holdout_data({"input_ids": ids[:32], "attention_mask": mask[:32], "labels": labels[:32]})
+    batches = []
+    for i in range(1, 61):
+        part = slice(32 + (i % 11) * 32, 64 + (i % 11) * 32)
+        batch = {"input_ids": ids[part], "attention_mask": mask[part], "labels": labels[part]}
+        logits = model(batch["input_ids"])
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, 128), batch["labels"][:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        record = tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
+        if record is not None:
+            batches.append((record, batch))
+        opt.zero_grad()
+    tel.close()
+    for record, batch in batches:
+        want = ((batch["attention_mask"] == 0) & (batch["labels"] != -100)).double().mean().item()
+        assert record["batch_stats"]["padding_supervised"] == pytest.approx(want, abs=1e-7)
+    _, found = codes(tmp_path)
+    if masked:
+        assert "padding_supervised" not in found
+    else:
+        assert "padding_supervised" in found and "the padding (attention_mask 0) has labels" in \
+            found["padding_supervised"].message

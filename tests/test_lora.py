@@ -424,7 +424,8 @@ def test_trainer_grad_norm_loss_and_all_lrs_match_the_trainers_log(tmp_path):
         # the training micro-batch, seen by the forward hook (not the 3 x 10 holdout batch)
         stats = dict(r["batch_stats"])
         assert len(stats.pop("fingerprint")) == 2
-        assert stats == {"batch_size": 4, "tokens": 64, "label_share": 0.75, "padding_share": 0.125}
+        assert stats == {"batch_size": 4, "tokens": 64, "label_share": 0.75, "padding_share": 0.125,
+                         "padding_supervised": 0.0}
         assert r["holdout_logits"]["kind"] == "lm"
     assert max(errors) < 1e-5
     first = records[0]["lora"]  # step 1: B = 0, so the whole gradient is B's
