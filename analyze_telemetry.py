@@ -1302,6 +1302,10 @@ def check_loss_stalled(run: Run) -> list:
         return []
     if abs(t.last - prior) > max(3 * t.se, 0.1 * prior):
         return []   # flat but away from the chance level: it learned before the first collection, or blew up
+    h = holdout_data(run)
+    late = _late(h, h.loss) if h else None
+    if late is not None and late[0] < prior - max(2 * _loss_se(h), 0.1 * prior):
+        return []   # the holdout (the same examples every time) is well past chance: noisy batches, not a stall
     loss = _finite(column(run, "loss"))
     k = max(3, int(math.ceil(0.2 * len(loss))))
     lowest = float(np.median(np.lib.stride_tricks.sliding_window_view(loss, k), axis=1).min())

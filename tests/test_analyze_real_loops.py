@@ -648,3 +648,23 @@ def test_padding_that_keeps_its_labels_is_named(tmp_path, masked):
     else:
         assert "padding_supervised" in found and "the padding (attention_mask 0) has labels" in \
             found["padding_supervised"].message
+
+
+def test_a_noisy_train_loss_is_no_stall_when_the_holdout_is_past_chance(tmp_path):
+    """Diabetes regression on batches of 16: the batch MSE is so noisy that its last fifth sits within 3
+    standard errors of the targets' variance, and loss_stalled ('stayed at the chance level from the start')
+    fired on a fit that explains 40% of the fresh examples' variance. The holdout, the same 40 examples at
+    every collection, is well past the mean's error: no stall. The loop on shuffled targets still is one."""
+    x, y = diabetes(0)
+    run = dict(hidden=(16,), batch=16, steps=150, every=10, seed=0)
+    model = sklearn_run(tmp_path / "fit", x[:250], y[:250], (x[250:290], y[250:290]), **run)
+    with torch.no_grad():
+        test_mse = F.mse_loss(model(x[300:])[:, 0], y[300:]).item()
+    assert 1 - test_mse / y[300:].var(unbiased=False).item() > 0.35
+    _, found = codes(tmp_path / "fit")
+    assert "loss_stalled" not in found, found["loss_stalled"].message
+
+    shuffled = y[:250][torch.randperm(250, generator=torch.Generator().manual_seed(0))]
+    sklearn_run(tmp_path / "shuffled", x[:250], shuffled, (x[250:290], y[250:290]), **dict(run, steps=300))
+    _, found = codes(tmp_path / "shuffled")
+    assert {"holdout_at_chance", "loss_stalled"} & set(found), sorted(found)
