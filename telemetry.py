@@ -439,9 +439,9 @@ def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
     correct = (logits.argmax(-1) == target) & valid
     tokens = valid.sum(1)
     per_tokens = tokens.clamp(min=1).float()
-    out = {"kind": "lm", "shifted": shift, "nll": nll.sum(1) / per_tokens, "token_accuracy": correct.sum(1) / per_tokens,
-           "loss": nll.sum() / tokens.sum().clamp(min=1), "accuracy": correct.sum() / tokens.sum().clamp(min=1),
-           "tokens": tokens}
+    out = {"kind": "lm", "shifted": shift, "nll": nll.sum(1) / per_tokens,
+           "token_accuracy": correct.sum(1) / per_tokens, "loss": nll.sum() / tokens.sum().clamp(min=1),
+           "accuracy": correct.sum() / tokens.sum().clamp(min=1), "tokens": tokens}
     if token_ids:
         first = torch.where(valid.any(1), valid.int().argmax(1), valid.shape[1] - 1)  # argmax: first max
         rows = logits[torch.arange(logits.shape[0], device=logits.device), first]
@@ -2891,6 +2891,7 @@ class _Layout:
     outside: List[tuple] = dataclasses.field(default_factory=list)  # trainable, but in no optimizer group
     beyond: List[tuple] = dataclasses.field(default_factory=list)  # (optimizer group, tensor) not in the model
     complex: List[tuple] = dataclasses.field(default_factory=list)  # trainable complex tensors: not measured
+    ignored: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)  # see ignored_group_keys
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     # device -> by_group's rows there: the overall one (the first partition's rows added up), then the membership
     totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -3018,6 +3019,7 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
                      frozen={g: [frozen[i] for i in idx] for g, idx in frozen_in.items() if idx},
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
     layout.complex = [(n, p) for n, p in held if p.requires_grad and p.is_complex()]
+    layout.ignored = ignored_group_keys(optimizer, opt_names)
     model_ids = {id(p) for _, p in every}
     if held:  # else the optimizer holds copies of the weights (master weights), not the model's tensors
         layout.beyond = [(opt_names[gi], p) for gi, g in enumerate(opt_groups) for p in g["params"]
@@ -3032,13 +3034,13 @@ _GROUP_ALIASES = {"learningrate": "lr", "learnrate": "lr", "lrate": "lr", "wd": 
                   "weightdecay": "weight_decay", "mom": "momentum"}
 
 
-def ignored_group_keys(optimizer: Any) -> Dict[str, Dict[str, Any]]:
+def ignored_group_keys(optimizer: Any, names: List[str]) -> Dict[str, Dict[str, Any]]:
     """Param-group keys the optimizer never reads that look like one it does ("learning_rate" for "lr",
-    "weight_decy"), with another value: {group name: {key: [value, the key it reads, its value]}}. A head's
-    10x lr written under such a key was never applied, and nothing else in the run would say so."""
+    "weight_decy"), with another value: {group name: {key: [value, the key it reads, its value]}}, `names`
+    being the groups' names in the order of optimizer.param_groups. A head's 10x lr written under such a key
+    was never applied, and nothing else in the run would say so."""
     members = getattr(optimizer, "members", None) or ([optimizer] if optimizer is not None else [])
     pairs = [(g, getattr(o, "defaults", None) or {}) for o in members for g in getattr(o, "param_groups", [])]
-    names = _unique_names([str(g.get("name") or f"group_{gi}") for gi, (g, _) in enumerate(pairs)])
     found: Dict[str, Dict[str, Any]] = {}
     for name, (group, defaults) in zip(names, pairs):
         for key, value in group.items():
@@ -3157,9 +3159,8 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
                 world_size=1, rank=0)
     if layout.outside:
         info["not_in_optimizer"] = count(layout.outside)
-    ignored = ignored_group_keys(optimizer)
-    if ignored:
-        info["ignored_group_keys"] = ignored
+    if layout.ignored:
+        info["ignored_group_keys"] = layout.ignored
     if layout.complex:
         info["complex"] = count(layout.complex)
     if layout.beyond:
@@ -3697,11 +3698,13 @@ class _Gradients:
             sq = sq / scale.to(device, torch.float32).square()
         return sq, has
 
-    def capture(self, layout: _Layout, optimizer: Any, step: int, stepping: Any = None) -> None:
-        """Read the gradients before the step. With `stepping`, one of several optimizers that step one after
-        the other on gradients of their own (a GAN's, in manual optimization), only its tensors' readings
-        replace those of an earlier capture for the same step."""
-        sq, has = self.rows(layout, optimizer, pre_step=True)
+    def capture(self, layout: _Layout, optimizer: Any, step: int, stepping: Any = None,
+                rows: Optional[tuple] = None) -> None:
+        """Read the gradients before the step (or take `rows`, read earlier, as rows() gives them). With
+        `stepping`, one of several optimizers that step one after the other on gradients of their own (a
+        GAN's, in manual optimization), only its tensors' readings replace those of an earlier capture for
+        the same step."""
+        sq, has = rows if rows is not None else self.rows(layout, optimizer, pre_step=True)
         if stepping is not None and self.captured is not None and self.captured[:2] == (layout.key, step):
             held = {id(p) for g in getattr(stepping, "param_groups", ()) for p in g["params"]}
             mine = torch.tensor([id(p) in held for p in layout.params])
@@ -4663,7 +4666,7 @@ class TrainingTelemetry:
         counts that step too. Otherwise the hook's first call keeps it, after the first step. The HF and
         Lightning callbacks call it when training begins; a run resumed on its directory keeps the W_0 it
         has."""
-        if self.config.enabled and not self._closed and self._active() and self._reference.initial_pending:
+        if self.config.enabled and self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_model(model), _one_optimizer(optimizer, self._optimizer_lists))
 
     def capture_gradients(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -4747,7 +4750,7 @@ class TrainingTelemetry:
             device = next(v for v in found if v is not None).device
             sq = torch.stack([v.to(device) if v is not None else torch.zeros((), device=device) for v in found])
             has = torch.tensor([float(v is not None) for v in found])
-            self._gradients.captured = (layout.key, step, (sq.float(), has))
+            self._gradients.capture(layout, optimizer, step, rows=(sq.float(), has))
         except Exception as exc:
             if self.config.strict:
                 raise
@@ -4892,10 +4895,9 @@ class TrainingTelemetry:
                                       "them and their gradients grow with every backward(). They are left out of the "
                                       "records (run.json lists them): add them to the optimizer, or freeze them. "
                                       "If another optimizer trains them, pass every optimizer, as a list.")
-            ignored = ignored_group_keys(optimizer)
-            if ignored:
+            if self._layout.ignored:
                 said = "; ".join(f"group {g}: {k}={v[0]:g} (it reads {v[1]}, which is {v[2]:g})"
-                                 for g, keys in ignored.items() for k, v in keys.items())
+                                 for g, keys in self._layout.ignored.items() for k, v in keys.items())
                 self._warn("group-keys", f"telemetry: the optimizer never reads these param-group keys: {said}. "
                                          "Spell them as the optimizer does (run.json lists them under "
                                          "ignored_group_keys).")
@@ -5181,7 +5183,8 @@ def lightning_callback_class() -> type:
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self._used_lrs += [(g, g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"])
                                for g in getattr(optimizer, "param_groups", ())]
-            self.telemetry.capture_gradients(pl_module, self._optimizer(trainer), self._batch_idx, stepping=optimizer)
+            self.telemetry.capture_gradients(pl_module, self._optimizer(trainer), self._batch_idx,
+                                             stepping=optimizer)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
