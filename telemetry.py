@@ -1286,9 +1286,13 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     """Write [(name, tensor)] as a safetensors file, streaming from the tensors' own memory; `metadata`
     ({str: str}) goes in the header's __metadata__.
 
-    `meanwhile()`, if given, runs while the data is written on another thread, and its result is returned:
-    the file at `path` is still the old one until both are done, so it may read that. The write is the
-    kernel copying into the page cache and the streamed pass is torch ops: on two cores they overlap.
+    `meanwhile(put)`, if given, runs during the write and its result is returned: the file at `path` is still
+    the old one until it is done, so it may read that. With every tensor in CPU memory it runs on this
+    thread, on threads of its own if it likes, and hands over the data as it reads it: put(i, start, values)
+    writes `values`, tensor i's elements from `start` on, at their place in the file while they are still in
+    the processor's cache (a second read from memory would cost the write as much as the copy itself).
+    What it did not hand over is written after it. From a device, put is None and the data is written on a
+    thread of its own meanwhile: there the pass waits on copies to the device and the write on copies back.
 
     Atomic: the data goes to a side file that os.replace then moves over `path`, so a crash mid-write
     leaves the previous file intact. The replaced file is kept (hard link) as `path.spare` and overwritten
@@ -1298,7 +1302,7 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     such a cut leaves half-written, and fsync per collection would dominate its cost.
     `header`: what tensor_file_header(named, metadata) gives, when the caller has it already.
     """
-    _, blob = header or tensor_file_header(named, metadata)
+    header, blob = header or tensor_file_header(named, metadata)
     size = 8 + len(blob) + sum(t.numel() * t.element_size() for _, t in named)
     spare = path + ".spare"
     f = _open_spare(spare, size)
@@ -1309,17 +1313,33 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
         with f:
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
+            f.flush()
+            tensors = [t.detach() for _, t in named]
+            starts = [8 + len(blob) + header[name]["data_offsets"][0] for name, _ in named]
+            handed = [0] * len(tensors)  # elements put() wrote, per tensor
+            lock = threading.Lock()
+
+            def put(i: int, start: int, values: torch.Tensor) -> None:
+                _pwrite_all(f.fileno(), _bytes_of(values), starts[i] + start * values.element_size())
+                with lock:
+                    handed[i] += values.numel()
 
             def write_data():
-                for _, t in named:
-                    for chunk in _host_chunks(t.detach()):
-                        f.write(chunk)
+                for i, t in enumerate(tensors):
+                    if handed[i] != t.numel():
+                        f.seek(starts[i])
+                        for chunk in _host_chunks(t):
+                            f.write(chunk)
 
+            result = None
             if meanwhile is None:
-                result = write_data()
+                write_data()
+            elif all(t.device.type == "cpu" for t in tensors):
+                result = meanwhile(put)
+                write_data()
             else:  # the data on a thread of its own, after the work the caller queued on its own stream
-                stream = _callers_stream([t for _, t in named])
-                result = _concurrently(meanwhile, lambda: _on_stream(stream, write_data))[0]
+                stream = _callers_stream(tensors)
+                result = _concurrently(lambda: meanwhile(None), lambda: _on_stream(stream, write_data))[0]
         if os.path.lexists(path):
             _replace_keeping_old(target, path, spare)
         else:
@@ -1329,6 +1349,12 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
             os.remove(target)
         raise
     return result
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:  # a regular file takes it whole unless the disk fills up part way, which then raises
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
 
 
 def _callers_stream(tensors: List[torch.Tensor]) -> Optional[Any]:
@@ -1440,11 +1466,12 @@ def _core_threads() -> int:
 
 
 def _write_beside_pass(tensors: List[torch.Tensor]) -> bool:
-    """Whether the reference is written on a thread of its own while the pass runs: for large models only, where
-    a thread costs less than the overlap saves. On the CPU both are memory-bound and would leave a core idle in
-    turn; from a GPU the pass waits on copies to the device and the write on copies back and the page cache."""
+    """Whether the reference is written during the pass (write_tensor_file's `meanwhile`). On the CPU, when the
+    pass goes chunk by chunk: each chunk of the weights is written while the pass has it in cache. From a GPU,
+    for large models only, on a thread of its own (a thread costs less than the overlap saves there): the
+    pass waits on copies to the device and the write on copies back and the page cache."""
     if any(t.device.type == "cpu" for t in tensors):
-        return _pass_threads(tensors) > 1
+        return sum(t.numel() * t.element_size() for t in tensors) > WHOLE_PASS_BYTES
     return _large_pass(tensors)
 
 
@@ -1838,6 +1865,7 @@ class _ChangePass:
     wide: torch.dtype  # float64, or float32 on mps
     kernels: List[Optional[Callable]] = dataclasses.field(default_factory=list)  # per tensor; empty: eager
     limits: Optional[tuple] = None  # (thresholds, rel_thresholds) as float32 tensors, for the kernels
+    put: Optional[Callable] = None  # put(i, start, values): each chunk of the weights once it is summed
 
     def zeros(self) -> Dict[str, List[torch.Tensor]]:
         def each(dtype, *shape):
@@ -1858,24 +1886,30 @@ class _ChangePass:
             torch.set_num_threads(1)  # a new thread's own count: the kernels were compiled (and guard) for one
         acc, scratch = self.zeros(), _Scratch()
         for i, start, n in part:
-            if self.kernels and self.kernels[i] is not None and n >= FUSED_MIN_ELEMENTS and self._fused(acc, i, start, n):
-                continue
-            dev = self.flats[i].device
-            wc = scratch.as_float(self.flats[i][start:start + n], "w", dev)
-            acc["weight_sq"][i] += torch.dot(wc, wc)
-            if self.refs is not None:
-                rc = scratch.as_float(self.refs[i].view(-1)[start:start + n], "r", dev)
-                d = torch.sub(wc, rc, out=scratch.get("d", dev, n, wc.dtype))
-                acc["delta_sq"][i] += torch.dot(d, d)
-                if self.detail:
-                    self._details(acc, i, wc, rc, d, scratch)
-                self.release_ref(i, start, n)
-            if self.inits is not None:
-                r0 = scratch.as_float(self.inits[i].view(-1)[start:start + n], "r0", dev)
-                d0 = torch.sub(wc, r0, out=scratch.get("d", dev, n, wc.dtype))
-                acc["drift_sq"][i] += torch.dot(d0, d0)
-                self.release_init(i, start, n)
+            if not (self.kernels and self.kernels[i] is not None and n >= FUSED_MIN_ELEMENTS
+                    and self._fused(acc, i, start, n)):
+                self._eager(acc, scratch, i, start, n)
+            if self.put is not None:
+                self.put(i, start, self.flats[i][start:start + n])
         return acc
+
+    def _eager(self, acc, scratch: _Scratch, i: int, start: int, n: int) -> None:
+        """A chunk's sums through eager torch ops, into reused scratch buffers."""
+        dev = self.flats[i].device
+        wc = scratch.as_float(self.flats[i][start:start + n], "w", dev)
+        acc["weight_sq"][i] += torch.dot(wc, wc)
+        if self.refs is not None:
+            rc = scratch.as_float(self.refs[i].view(-1)[start:start + n], "r", dev)
+            d = torch.sub(wc, rc, out=scratch.get("d", dev, n, wc.dtype))
+            acc["delta_sq"][i] += torch.dot(d, d)
+            if self.detail:
+                self._details(acc, i, wc, rc, d, scratch)
+            self.release_ref(i, start, n)
+        if self.inits is not None:
+            r0 = scratch.as_float(self.inits[i].view(-1)[start:start + n], "r0", dev)
+            d0 = torch.sub(wc, r0, out=scratch.get("d", dev, n, wc.dtype))
+            acc["drift_sq"][i] += torch.dot(d0, d0)
+            self.release_init(i, start, n)
 
     def _fused(self, acc, i: int, start: int, n: int) -> bool:
         """Add a chunk's sums through the fused kernel; False (nothing added) when its guards refuse the
@@ -1971,7 +2005,7 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
                             initial_path: Optional[str] = None, thresholds: List[float] = (),
                             rel_thresholds: List[float] = (), detail: bool = False,
                             mapper: Optional[Callable[[str, List[str]], tuple]] = None,
-                            fused: bool = True) -> Dict[str, torch.Tensor]:
+                            fused: bool = True, put: Optional[Callable] = None) -> Dict[str, torch.Tensor]:
     """Every per-tensor quantity of the weight-change sections from ONE pass over the weights: the
     reference and the initial weights are streamed side by side in CHUNK_BYTES pieces, each file once,
     and each chunk of the weights is read once for all of them (into reused scratch buffers, so the extra
@@ -1988,7 +2022,8 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
       below_rel[k] = #(|d| <= rel_thresholds[k] * |r|) (int64, [len(thresholds), tensors]).
     Without either file, weight_sq alone comes from per_tensor_sq_norms. `mapper(path, names)` maps a file
     as map_tensor_file does (the default; a caller may keep what it already checked or mapped); `fused=False`
-    keeps to the eager ops.
+    keeps to the eager ops. `put(i, start, values)` (write_tensor_file's) is handed each chunk of the weights
+    once it is summed, when the pass goes chunk by chunk over CPU memory.
     """
     if not named:
         return {}
@@ -2002,8 +2037,8 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     refs, release_ref = mapper(reference_path, names) if reference_path else (None, None)
     inits, release_init = mapper(initial_path, names) if initial_path else (None, None)
     sums = _ChangePass(flats, refs, release_ref, inits, release_init, detail and reference_path is not None,
-                       list(thresholds), list(rel_thresholds),
-                       _wide(device))
+                       list(thresholds), list(rel_thresholds), _wide(device),
+                       put=put if all(w.device.type == "cpu" for w in flats) else None)
     if sum(w.numel() * w.element_size() for w in flats) <= WHOLE_PASS_BYTES:
         out = sums.whole()
     else:
@@ -3913,8 +3948,8 @@ class _ReferenceStore:
         def local():
             reference, c.reference_step = self.usable(named)
             initial = self.initial_for(named, step) if cfg.track_update_ratio else None
-            changes = self._stream_while_writing(named, step, lambda: streamed_weight_changes(
-                named, reference, initial, thresholds, rel, detail, mapper=self.maps.map))
+            changes = self._stream_while_writing(named, step, lambda put=None: streamed_weight_changes(
+                named, reference, initial, thresholds, rel, detail, mapper=self.maps.map, put=put))
             if keep_previous and reference is not None:
                 c.previous_reference = self._previous(named, step)
             rows = [changes[k] if k in changes else torch.zeros(shape) for k, shape in shapes.items()]
@@ -3945,12 +3980,12 @@ class _ReferenceStore:
             return None
 
     def _stream_while_writing(self, named: List[tuple], step: int, stream: Callable[[], Dict]) -> Dict:
-        """stream() (the pass over the old reference) while the new reference is written: side by side for
-        large models (see _write_beside_pass). The old file is replaced only after both, and a failed write
-        (full disk) keeps stream()'s result."""
+        """stream(put) (the pass over the old reference) while the new reference is written, for large models
+        (see _write_beside_pass): from the pass's own reads of the weights, or beside it from a device. The
+        old file is replaced only after both, and a failed write (full disk) keeps stream()'s result."""
         result: List[Dict[str, torch.Tensor]] = []
         if _write_beside_pass([t for _, t in named]):
-            self.headers.write(self.files.write, self.checkpoint, named, lambda: result.append(stream()),
+            self.headers.write(self.files.write, self.checkpoint, named, lambda put: result.append(stream(put)),
                                {"step": str(step)})
         else:
             result.append(stream())

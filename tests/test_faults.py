@@ -88,8 +88,9 @@ def test_failed_reference_write_keeps_the_delta_and_the_old_reference(tmp_path, 
     write fails, the delta already measured is still recorded and the old reference stays intact."""
     got = run_script(f"""
         import telemetry
-        if {threads} > 1:  # the large-model path, whatever the model's size
-            telemetry.CHUNK_BYTES, telemetry._pass_threads = 256, lambda tensors: {threads}
+        if {threads} > 1:  # the large-model path, whatever the model's size: written from the pass's reads
+            telemetry.CHUNK_BYTES, telemetry.WHOLE_PASS_BYTES = 256, 0
+            telemetry._pass_threads = lambda tensors: {threads}
         run = os.path.join(sys.argv[1], "run")
         model, optimizer = model_and_optimizer()
         tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1, track_update_ratio=False))

@@ -273,6 +273,65 @@ def test_reference_data_starts_on_a_page_whatever_the_names(tmp_path):
         assert telemetry.tensor_file_info(path)[1] == data_offset
 
 
+def test_reference_written_from_the_pass_chunks_equals_the_weights(tmp_path, monkeypatch):
+    """Above WHOLE_PASS_BYTES the pass hands each chunk of the weights to the reference write as it sums it, on
+    several threads: the file then holds every weight bit for bit (read back by safetensors), a channels_last
+    convolution in its logical order and a bf16 tensor included, and the delta against weight copies holds."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(telemetry, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(telemetry, "WHOLE_PASS_BYTES", 0)
+    monkeypatch.setattr(telemetry, "_pass_threads", lambda tensors: 3)
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8 * 6 * 6, 4)
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return self.fc(self.conv(x).flatten(1)) * self.scale.float()
+
+    torch.manual_seed(0)
+    model = Net()
+    model.conv.to(memory_format=torch.channels_last)
+    assert not model.conv.weight.is_contiguous()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=1,
+                                            track_holdout_logits=False))
+    x = torch.randn(16, 3, 8, 8)
+    for k in range(3):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+        rec = tel.on_batch_end(model, optimizer, k, 0)
+        loaded = load_file(str(tmp_path / "run" / "last_checkpoint.safetensors"))
+        assert set(loaded) == {n for n, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            assert loaded[name].dtype == p.dtype and torch.equal(loaded[name], p.detach()), name
+        if k:
+            want = math.sqrt(sum(float((p.detach().double() - kept[n].double()).square().sum())
+                                 for n, p in model.named_parameters()))
+            assert rec["weight_delta"]["overall"] == pytest.approx(want, rel=1e-5)
+        kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tel.close()
+
+
+def test_reference_write_fills_in_what_the_pass_did_not_hand_over(tmp_path):
+    """write_tensor_file writes whatever `meanwhile` did not put: nothing, or part of a tensor."""
+    from safetensors.torch import load_file
+
+    named = [("a", torch.randn(300)), ("b", torch.arange(50, dtype=torch.int64)), ("c", torch.randn(7, 9))]
+    for share in (0, 100, 300):
+        path = str(tmp_path / f"ref{share}.safetensors")
+
+        def meanwhile(put):
+            put(0, 0, named[0][1][:share]) if share else None
+            return "done"
+        assert telemetry.write_tensor_file(path, named, meanwhile=meanwhile) == "done"
+        loaded = load_file(path)
+        assert all(torch.equal(loaded[n], t) for n, t in named)
+
+
 def test_reference_write_is_atomic_when_interrupted(tmp_path):
     path = str(tmp_path / "ref.safetensors")
     good = [("a", torch.arange(4.0)), ("b", torch.ones(3))]
