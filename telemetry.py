@@ -1290,7 +1290,7 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
     the old one until it is done, so it may read that. With every tensor in CPU memory it runs on this
     thread, on threads of its own if it likes, and hands over the data as it reads it: put(i, start, values)
     writes `values`, tensor i's elements from `start` on, at their place in the file while they are still in
-    the processor's cache (a second read from memory would cost the write as much as the copy itself).
+    the processor's cache, sparing the write a second pass over the weights in memory.
     What it did not hand over is written after it. From a device, put is None and the data is written on a
     thread of its own meanwhile: there the pass waits on copies to the device and the write on copies back.
 
