@@ -268,12 +268,17 @@ def check_recovery(run, weights, sparse=False):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the crash campaign forks")
-def test_kill_campaign_loses_nothing_and_resumes_right(tmp_path):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-pass", "reference-written-from-the-pass"])
+def test_kill_campaign_loses_nothing_and_resumes_right(tmp_path, monkeypatch, chunked):
     weights = replayed_weights(STEPS)
+    if chunked:  # the large-model path whatever the size, in the forked children and the resumed runs alike
+        monkeypatch.setattr(telemetry, "CHUNK_BYTES", 256)
+        monkeypatch.setattr(telemetry, "WHOLE_PASS_BYTES", 0)
     started, kills = time.time(), 0
     # Every file operation of the first three collections (about 55 of them, from the constructor's run.json
-    # to the third reference write and record), one crash each; then crashes at random times.
-    for n in range(1, 60):
+    # to the third reference write and record; the chunked path's pwrites add 5 a collection), one crash
+    # each; then crashes at random times.
+    for n in range(1, 75 if chunked else 60):
         run = tmp_path / f"op{n}"
         kills += crash(run, kill_before_op=n)
         check_recovery(run, weights)
