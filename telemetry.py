@@ -5041,7 +5041,8 @@ def hf_callback_class() -> type:
           gradients are gone by then;
         - with clipping (max_grad_norm > 0, the default) the norms are read before it: on a step that will
           collect, a hook on each trainable tensor takes its gradient's squared norm once backward() has
-          accumulated it, the last micro-batch's reading being the step's. Not in a distributed run (DDP
+          accumulated it, the last micro-batch's reading being the step's. The hooks are there for that step
+          only: other steps' backward passes call no Python. Not in a distributed run (DDP
           averages the gradients after these hooks) nor with fp16's GradScaler (still scaled there): then
           the norms are those after clipping, which the optimizer stepped on;
         - it holds that record back until the Trainer logs the same step, and adds the logged pre-clip
@@ -5061,34 +5062,39 @@ def hf_callback_class() -> type:
             self._loss_is_sum = False
             self._pending: Optional[Dict[str, Any]] = None
             self._epoch = 0
-            self._grad_hooks: List[Any] = []
+            self._grad_hooks: List[Any] = []  # on the trainable tensors while a collecting step runs
+            self._before_clip = False  # the norms can be read before clipping (see the class docstring)
             self._armed = False  # the coming optimizer step collects: the hooks read the gradients
             self._pre_clip: Dict[int, torch.Tensor] = {}  # id(parameter) -> ||grad||^2 before clipping
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._detach()
+            self._before_clip = False
             if model is not None and self.telemetry._active():
                 self._handles = [model.register_forward_pre_hook(self._see_batch, with_kwargs=True),
                                  model.register_forward_hook(self._see_output, with_kwargs=True)]
                 if optimizer is not None:  # drift from the weights before the first step
                     self.telemetry.keep_initial_weights(model, optimizer)
-                if args.max_grad_norm and args.max_grad_norm > 0 and getattr(optimizer, "scaler", None) is None \
-                        and _rank_and_world()[1] == 1:
-                    self._grad_hooks = [p.register_post_accumulate_grad_hook(self._see_gradient)
-                                        for p in model.parameters() if p.requires_grad]
+                self._before_clip = bool(args.max_grad_norm and args.max_grad_norm > 0) and \
+                    getattr(optimizer, "scaler", None) is None and _rank_and_world()[1] == 1
 
         def on_epoch_begin(self, args, state, control, **kwargs):
             self._epoch = int(state.epoch or 0)
 
-        def on_step_begin(self, args, state, control, **kwargs):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
             self._release()
             self._losses = []
             self._pre_clip = {}
-            self._armed = bool(self._grad_hooks) and self.telemetry._active() and \
+            self._drop_grad_hooks()
+            self._armed = self._before_clip and model is not None and self.telemetry._active() and \
                 self.telemetry._schedule.will_collect(state.global_step + 1)
+            if self._armed:
+                self._grad_hooks = [p.register_post_accumulate_grad_hook(self._see_gradient)
+                                    for p in model.parameters() if p.requires_grad]
 
         def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._release()
+            self._drop_grad_hooks()
             if self._armed and self._pre_clip:
                 self.telemetry._capture_rows(model, optimizer, state.global_step + 1, self._pre_clip)
             self._armed, self._pre_clip = False, {}
@@ -5122,9 +5128,15 @@ def hf_callback_class() -> type:
             self.telemetry._release_held()
 
         def _detach(self):
-            for handle in self._handles + self._grad_hooks:
+            self._drop_grad_hooks()
+            for handle in self._handles:
                 handle.remove()
-            self._handles, self._grad_hooks = [], []
+            self._handles = []
+
+        def _drop_grad_hooks(self):
+            for handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks = []
 
         def _see_gradient(self, parameter):
             if self._armed and parameter.grad is not None:

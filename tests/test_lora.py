@@ -16,7 +16,7 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer,  # noqa: E402
+from transformers import (LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer, TrainerCallback,  # noqa: E402
                           TrainingArguments)
 
 import telemetry  # noqa: E402
@@ -526,6 +526,33 @@ def test_trainer_drift_counts_the_first_step(tmp_path):
     for r in read_records(str(tmp_path / "run")):
         want = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(after[r["step"]], start)))
         assert want > 0 and rel(r["drift"]["overall"], want) < 1e-5
+
+
+def test_gradient_hooks_are_there_only_for_the_steps_that_collect(tmp_path):
+    """Collecting every 2nd optimizer step, with clipping and 2 micro-batches a step: the hooks that read the
+    norms before clipping are on the tensors during steps 2 and 4 only, so the other steps' backward passes
+    call no Python; the records still hold the Trainer's logged pre-clip grad_norm."""
+    model = lora_model()
+    tele = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=2, strict=True))
+    hooked = {}
+
+    class Probe(TrainerCallback):  # after the step's backward passes, before clipping and the optimizer
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            hooked[state.global_step + 1] = any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=4,
+                             gradient_accumulation_steps=2, logging_steps=1, learning_rate=1e-2, max_grad_norm=0.05,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[tele.hf_callback(), Probe()])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    records = read_records(str(tmp_path / "run"))
+    assert hooked == {1: False, 2: True, 3: False, 4: True}
+    assert [r["step"] for r in records] == [2, 4] and min(logged.values()) > 0.1
+    for r in records:
+        assert rel(r["gradient_norm"]["overall"], logged[r["step"]]) < 1e-5
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
 
 def test_trainer_clipping_records_the_norm_before_it(tmp_path):
