@@ -129,6 +129,12 @@ def _worker(rank, port, root):
         with open(os.path.join(root, f"returned.rank{rank}.json"), "w") as f:
             json.dump(returned, f)
         torch.distributed.destroy_process_group()
+    # Now and then torch's own teardown at interpreter exit aborts the process after a gloo run ("terminate
+    # called without an active exception", no Python frame), with or without telemetry: with everything
+    # written, the worker leaves without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _faults(rank):
