@@ -12,6 +12,7 @@ import math
 import os
 import re
 import stat
+import signal
 import subprocess
 import sys
 import threading
@@ -623,8 +624,11 @@ def test_watch_follows_a_growing_file(tmp_path):
 
 def test_watch_writes_report_and_ends_on_ctrl_c(tmp_path):
     path = write_run(tmp_path / "r", healthy_records(n=20))
+    # Ctrl-C's default disposition in the child, as in a terminal: a shell's background job (and whatever it
+    # starts) ignores SIGINT, and Python then never turns it into KeyboardInterrupt.
     proc = subprocess.Popen([PY, str(ROOT / "analyze_telemetry.py"), str(path), "--watch", "--interval", "0.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while time.time() < deadline and not (path / "analysis" / "report.html").exists():
         time.sleep(0.2)
