@@ -1460,6 +1460,12 @@ def _large_pass(tensors: List[torch.Tensor]) -> bool:
     return sum(t.numel() * t.element_size() for t in tensors) >= PARALLEL_PASS_BYTES
 
 
+def _chunked(tensors: List[torch.Tensor]) -> bool:
+    """Whether the weight pass over these tensors goes chunk by chunk (over WHOLE_PASS_BYTES), not list-wide
+    over whole tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors) > WHOLE_PASS_BYTES
+
+
 def _core_threads() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, MAX_PASS_THREADS))
@@ -1471,7 +1477,7 @@ def _write_beside_pass(tensors: List[torch.Tensor]) -> bool:
     for large models only, on a thread of its own (a thread costs less than the overlap saves there): the
     pass waits on copies to the device and the write on copies back and the page cache."""
     if any(t.device.type == "cpu" for t in tensors):
-        return sum(t.numel() * t.element_size() for t in tensors) > WHOLE_PASS_BYTES
+        return _chunked(tensors)
     return _large_pass(tensors)
 
 
@@ -2022,8 +2028,8 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
       below_rel[k] = #(|d| <= rel_thresholds[k] * |r|) (int64, [len(thresholds), tensors]).
     Without either file, weight_sq alone comes from per_tensor_sq_norms. `mapper(path, names)` maps a file
     as map_tensor_file does (the default; a caller may keep what it already checked or mapped); `fused=False`
-    keeps to the eager ops. `put(i, start, values)` (write_tensor_file's) is handed each chunk of the weights
-    once it is summed, when the pass goes chunk by chunk over CPU memory.
+    keeps to the eager ops. `put(i, start, values)` (write_tensor_file's, which gives one for CPU weights only)
+    is handed each chunk of the weights once it is summed, when the pass goes chunk by chunk.
     """
     if not named:
         return {}
@@ -2037,9 +2043,8 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     refs, release_ref = mapper(reference_path, names) if reference_path else (None, None)
     inits, release_init = mapper(initial_path, names) if initial_path else (None, None)
     sums = _ChangePass(flats, refs, release_ref, inits, release_init, detail and reference_path is not None,
-                       list(thresholds), list(rel_thresholds), _wide(device),
-                       put=put if all(w.device.type == "cpu" for w in flats) else None)
-    if sum(w.numel() * w.element_size() for w in flats) <= WHOLE_PASS_BYTES:
+                       list(thresholds), list(rel_thresholds), _wide(device), put=put)
+    if not _chunked(flats):
         out = sums.whole()
     else:
         out = _chunked_pass(sums, device, fused)
@@ -5064,7 +5069,6 @@ def hf_callback_class() -> type:
             self._epoch = 0
             self._grad_hooks: List[Any] = []  # on the trainable tensors while a collecting step runs
             self._before_clip = False  # the norms can be read before clipping (see the class docstring)
-            self._armed = False  # the coming optimizer step collects: the hooks read the gradients
             self._pre_clip: Dict[int, torch.Tensor] = {}  # id(parameter) -> ||grad||^2 before clipping
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -5086,18 +5090,17 @@ def hf_callback_class() -> type:
             self._losses = []
             self._pre_clip = {}
             self._drop_grad_hooks()
-            self._armed = self._before_clip and model is not None and self.telemetry._active() and \
-                self.telemetry._schedule.will_collect(state.global_step + 1)
-            if self._armed:
+            if self._before_clip and model is not None and self.telemetry._active() and \
+                    self.telemetry._schedule.will_collect(state.global_step + 1):
                 self._grad_hooks = [p.register_post_accumulate_grad_hook(self._see_gradient)
                                     for p in model.parameters() if p.requires_grad]
 
         def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._release()
             self._drop_grad_hooks()
-            if self._armed and self._pre_clip:
+            if self._pre_clip:  # read by the hooks of this collecting step
                 self.telemetry._capture_rows(model, optimizer, state.global_step + 1, self._pre_clip)
-            self._armed, self._pre_clip = False, {}
+            self._pre_clip = {}
             self._pending = self.telemetry._collect_held(model, optimizer, state.global_step, self._epoch,
                                                          self._batch, self._step_loss())
             self._losses = []
@@ -5139,7 +5142,7 @@ def hf_callback_class() -> type:
             self._grad_hooks = []
 
         def _see_gradient(self, parameter):
-            if self._armed and parameter.grad is not None:
+            if parameter.grad is not None:
                 self._pre_clip[id(parameter)] = per_tensor_sq_norms([_dense(parameter.grad.detach())])[0]
 
         def _see_batch(self, module, args, kwargs):
