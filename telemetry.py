@@ -1603,10 +1603,11 @@ def read_tensor_header(path: str) -> tuple:
     return tensor_file_info(path)[:2]
 
 
-def stream_tensor_file(path: str, names: List[str]):
+def stream_tensor_file(path: str, names: List[str], mapper: Optional[Callable[[str, List[str]], tuple]] = None):
     """Yield each named tensor of a safetensors file, in order, read through a map (see map_tensor_file):
-    a tensor's pages are handed back once the next is asked for, so the file never sits in RSS whole."""
-    views, release = map_tensor_file(path, names)
+    a tensor's pages are handed back once the next is asked for, so the file never sits in RSS whole.
+    `mapper(path, names)` maps the file as map_tensor_file does (the default), or through a kept map."""
+    views, release = (mapper or map_tensor_file)(path, names)
     for i, view in enumerate(views):
         yield view
         release(i, 0, view.numel())
@@ -4482,8 +4483,7 @@ class _LoraTracker:
             return None  # no LoRA in this model: no section
         ranks.whole("the lora section")  # B @ A needs whole factors
         name_of = {id(p): n for n, p in zip(layout.names, layout.params)}
-        stats = lora_stats([(e.name, e.a, e.b, e.scale) for e in found],
-                           self._previous(found, name_of, reference.checkpoint))
+        stats = lora_stats([(e.name, e.a, e.b, e.scale) for e in found], self._previous(found, name_of, reference))
         mags = [(name_of.get(id(e.magnitude), f"{e.name}.{e.adapter}"), e.magnitude) for e in found
                 if e.magnitude is not None]
         if mags:
@@ -4496,14 +4496,17 @@ class _LoraTracker:
         return stats
 
     @staticmethod
-    def _previous(found: List[_LoraEntry], name_of: Dict[int, str], path: str):
+    def _previous(found: List[_LoraEntry], name_of: Dict[int, str], reference: _ReferenceStore):
         """(A0, B0) of each LoRA module from the weight reference on disk, or None when it holds none.
 
         The reference is the one the weight pass keeps (trainable A and B are in it). A factor that is not
-        trainable is not in it either: it cannot have changed, so the current tensor stands in.
+        trainable is not in it either: it cannot have changed, so the current tensor stands in. The header
+        and the map are the ones the weight pass uses (kept from collection to collection while the file
+        is as this process wrote it), not a fresh open, read and map of the file each time.
         """
+        path = reference.checkpoint
         try:
-            header, _ = read_tensor_header(path)
+            header = reference.headers.info(path)[0]
         except (OSError, ValueError):
             return None
         wanted = []
@@ -4518,7 +4521,7 @@ class _LoraTracker:
                 wanted.append(name)
 
         def pairs():
-            stream = stream_tensor_file(path, wanted)
+            stream = stream_tensor_file(path, wanted, mapper=reference.maps.map)
             try:
                 for e in found:
                     # A copy: the stream's tensors map a file that a later reference write overwrites in place.

@@ -1,6 +1,6 @@
 """This telemetry.py against the one in a git revision, collecting on the same model in one process.
 
-    python bench/ab_collection.py --baseline REV [--workload cnn|mlp] [--pairs 400]
+    python bench/ab_collection.py --baseline REV [--workload cnn|mlp|lora256] [--pairs 400]
 
 Both versions are loaded as modules, each with a TrainingTelemetry (the default config, no holdout) writing
 to a directory of its own. Every round trains one step and collects with one version, then another step and
@@ -24,7 +24,7 @@ import torch
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
-from compare import build_cnn, build_mlp  # noqa: E402  (the benchmark's own workloads)
+from compare import build_cnn, build_lora, build_mlp  # noqa: E402  (the benchmark's own workloads)
 
 
 def load(name, path):
@@ -48,7 +48,7 @@ def telemetry_at(revision, directory):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="git revision whose telemetry.py is compared")
-    parser.add_argument("--workload", choices=("cnn", "mlp"), default="cnn")
+    parser.add_argument("--workload", choices=("cnn", "mlp", "lora256"), default="cnn")
     parser.add_argument("--pairs", type=int, default=400)
     parser.add_argument("--compile-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         versions = {"this": load("telemetry_this", os.path.join(REPO, "telemetry.py")),
                     args.baseline: load("telemetry_baseline", telemetry_at(args.baseline, tmp))}
-        wl = build_cnn() if args.workload == "cnn" else build_mlp()
+        wl = {"cnn": build_cnn, "mlp": build_mlp, "lora256": lambda: build_lora(256)}[args.workload]()
         model = wl.model
         opt = wl.opt = wl.opt_factory(model.parameters())
         runs = {name: module.TrainingTelemetry(module.TelemetryConfig(

@@ -133,9 +133,13 @@ def test_an_inactive_adapter_is_left_out_of_the_lora_section(tmp_path):
     assert lora["b_zero_fraction"] == 1.0 and lora["adapter_norm"]["overall"] == 0.0
 
 
-@pytest.mark.parametrize("keep_reference", [True, False])
-def test_adapter_delta_matches_dense_difference(tmp_path, keep_reference):
+@pytest.mark.parametrize("keep_reference,whole", [(True, True), (False, True), (True, False)])
+def test_adapter_delta_matches_dense_difference(tmp_path, monkeypatch, keep_reference, whole):
     # Without weight_delta's reference pass, the lora section keeps a reference of the adapters itself.
+    # whole=False: the reference counts as large, mapped afresh and handed back tensor by tensor; else the
+    # map is kept from one collection to the next while the file is rewritten in place under it.
+    if not whole:
+        monkeypatch.setattr(telemetry, "WHOLE_PASS_BYTES", 0)
     model = lora_model(modules_to_save=["lm_head"])
     randomize_adapters(model, 1)
     tele = new_telemetry(tmp_path, track_weight_delta=keep_reference, track_update_ratio=keep_reference,
@@ -144,18 +148,19 @@ def test_adapter_delta_matches_dense_difference(tmp_path, keep_reference):
     kept, _ = telemetry.read_tensor_header(os.path.join(str(tmp_path), "last_checkpoint.safetensors"))
     assert all(".lora_" in name for name in kept) != keep_reference  # adapters only, or every weight
     assert first == {"overall": None, "layer_0": None, "layer_1": None}  # no reference yet: null, never 0
-    before = dense_deltas(model)
     g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    delta = tele.on_batch_end(model, None, 2, 0)["lora"]["adapter_delta"]
-    after = dense_deltas(model)
-    sq = {n: float((after[n] - before[n]).square().sum()) for n in after}
-    assert rel(delta["overall"], math.sqrt(sum(sq.values()))) < 1e-5
-    for i in (0, 1):
-        assert rel(delta[f"layer_{i}"], math.sqrt(sum(v for n, v in sq.items() if layer_of(n) == i))) < 1e-5
+    for step in (2, 3, 4):  # the reference is rewritten at each: every delta is against the one before
+        before = dense_deltas(model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05 * step)
+        delta = tele.on_batch_end(model, None, step, 0)["lora"]["adapter_delta"]
+        after = dense_deltas(model)
+        sq = {n: float((after[n] - before[n]).square().sum()) for n in after}
+        assert rel(delta["overall"], math.sqrt(sum(sq.values()))) < 1e-5
+        for i in (0, 1):
+            assert rel(delta[f"layer_{i}"], math.sqrt(sum(v for n, v in sq.items() if layer_of(n) == i))) < 1e-5
 
 
 def test_adapter_delta_keeps_precision_for_a_tiny_step(tmp_path):
