@@ -82,6 +82,7 @@ CHUNK_BYTES = 2 << 20  # files are streamed in pieces this big: a few per thread
 PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this runs on one thread
 MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
 WHOLE_PASS_BYTES = 16 << 20  # up to this many trainable bytes the pass takes whole tensors, list-wide
+SMALL_WRITE_BYTES = 64 << 10  # smaller tensors are copied into blocks to be written: a write costs more
 FUSED_MIN_ELEMENTS = 1 << 14  # the compiled kernel is specialised to chunks at least this long
 # Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
 _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
@@ -1325,8 +1326,22 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                     handed[i] += values.numel()
 
             def write_data():
-                for i, t in enumerate(tensors):
-                    if handed[i] != t.numel():
+                # Runs of small CPU tensors of one dtype go out as one block of up to CHUNK_BYTES: a model of
+                # hundreds of small tensors (LoRA adapters) costs a call per tensor more than its bytes.
+                run: List[int] = []
+                for i, t in enumerate(tensors + [None]):
+                    small = t is not None and handed[i] != t.numel() and t.device.type == "cpu" and \
+                        t.numel() * t.element_size() < SMALL_WRITE_BYTES
+                    if run and not (small and t.dtype == tensors[run[0]].dtype and
+                                    starts[i] + t.numel() * t.element_size() - starts[run[0]] <= CHUNK_BYTES):
+                        f.seek(starts[run[0]])
+                        block = tensors[run[0]] if len(run) == 1 else torch.cat([tensors[k].reshape(-1) for k in run])
+                        for chunk in _host_chunks(block):
+                            f.write(chunk)
+                        run = []
+                    if small:
+                        run.append(i)
+                    elif t is not None and handed[i] != t.numel():
                         f.seek(starts[i])
                         for chunk in _host_chunks(t):
                             f.write(chunk)
@@ -1371,16 +1386,32 @@ def _on_stream(stream: Optional[Any], fn: Callable[[], Any]) -> Any:
         return fn()
 
 
+_HEADER_ENTRIES: Dict[tuple, tuple] = {}  # a few layouts' tensor entries: (entries, their JSON)
+
+
 def tensor_file_header(named: List[tuple], metadata: Optional[Dict[str, str]] = None) -> tuple:
-    """(header as tensor_file_info gives it, the header's bytes) of the safetensors file of [(name, tensor)]."""
-    header: Dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
+    """(header as tensor_file_info gives it, the header's bytes) of the safetensors file of [(name, tensor)].
+    The tensors' entries are encoded once per layout (names, dtypes and shapes), and only the metadata at
+    every write: hundreds of tensors make a JSON that costs a collection more than its data."""
+    key = tuple((name, t.dtype, t.shape) for name, t in named)
+    known = _HEADER_ENTRIES.get(key)
+    if known is None:
+        entries: Dict[str, Any] = {}
+        offset = 0
+        for name, t in named:
+            nbytes = t.numel() * t.element_size()
+            entries[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        if len(_HEADER_ENTRIES) >= 4:  # a run's layouts: the reference's and W_0's are the same one
+            _HEADER_ENTRIES.pop(next(iter(_HEADER_ENTRIES)))
+        known = _HEADER_ENTRIES[key] = (entries, json.dumps(entries, separators=(",", ":")))
+    entries, text = known
+    header = {"__metadata__": dict(metadata), **entries} if metadata else dict(entries)
+    if metadata:  # the same bytes json.dumps(header) gives: the metadata first, then the entries
+        text = '{"__metadata__":' + json.dumps(header["__metadata__"], separators=(",", ":")) + \
+            ("," + text[1:] if entries else "}")
+    blob = text.encode()
     # The data section starts on a page boundary (safetensors allows a header padded with spaces): at some
     # offsets the kernel copies a write into the page cache several times slower.
     blob += b" " * (-(8 + len(blob)) % _DATA_ALIGN)
@@ -2994,8 +3025,39 @@ class _Layout:
 def _layout_key(model: torch.nn.Module, optimizer: Any) -> tuple:
     opt_groups = getattr(optimizer, "param_groups", None) or []
     # Which tensors are trainable, not how many: a swap (one layer frozen as another is unfrozen) keeps the count.
-    return (id(model), id(optimizer), tuple(len(g["params"]) for g in opt_groups),
-            tuple(id(p) for p in model.parameters() if p.requires_grad))
+    return (id(model), id(optimizer), tuple(len(g["params"]) for g in opt_groups), _trainable_ids(model))
+
+
+_PLAIN_MODULE_TYPES: set = set()  # module classes that walk their parameters and submodules as nn.Module does
+_MODULE_WALKS = ("parameters", "named_parameters", "_named_members", "named_modules")
+
+
+def _trainable_ids(model: torch.nn.Module) -> tuple:
+    """(id(p) for p in model.parameters() if p.requires_grad), from a walk of the modules' own dicts. It is
+    checked at every collection, and model.parameters() yields each tensor up through one generator per
+    level of nesting: on a LoRA transformer of thousands of modules that takes milliseconds. The same
+    order (modules depth first, as named_modules) and the same deduplication (a module or tensor reached
+    twice counts once); where a class overrides how parameters or submodules are walked, parameters()."""
+    base = torch.nn.Module
+    seen_modules, seen_params, ids = set(), set(), []
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen_modules:
+            continue
+        seen_modules.add(id(module))
+        kind = type(module)
+        if kind not in _PLAIN_MODULE_TYPES:
+            if any(getattr(kind, n) is not getattr(base, n) for n in _MODULE_WALKS):
+                return tuple(id(p) for p in model.parameters() if p.requires_grad)
+            _PLAIN_MODULE_TYPES.add(kind)
+        for p in module._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                if p.requires_grad:
+                    ids.append(id(p))
+        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return tuple(ids)
 
 
 def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig) -> tuple:

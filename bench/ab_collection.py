@@ -1,6 +1,9 @@
 """This telemetry.py against the one in a git revision, collecting on the same model in one process.
 
-    python bench/ab_collection.py --baseline REV [--workload cnn|mlp|lora256] [--pairs 400]
+    python bench/ab_collection.py --baseline REV [--workload cnn|mlp|lora256|lora_deep] [--pairs 400]
+
+lora_deep: the LoRA workload's Llama at 32 layers of width 64 with rank-8 adapters on all seven projections
+(448 trainable tensors in 2,665 modules, as many as a 7B Llama's LoRA on them).
 
 Both versions are loaded as modules, each with a TrainingTelemetry (the default config, no holdout) writing
 to a directory of its own. Every round trains one step and collects with one version, then another step and
@@ -26,6 +29,8 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 from compare import build_cnn, build_lora, build_mlp  # noqa: E402  (the benchmark's own workloads)
 
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 def load(name, path):
     """The Python file at `path` imported as module `name`."""
@@ -48,7 +53,7 @@ def telemetry_at(revision, directory):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="git revision whose telemetry.py is compared")
-    parser.add_argument("--workload", choices=("cnn", "mlp", "lora256"), default="cnn")
+    parser.add_argument("--workload", choices=("cnn", "mlp", "lora256", "lora_deep"), default="cnn")
     parser.add_argument("--pairs", type=int, default=400)
     parser.add_argument("--compile-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -57,7 +62,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         versions = {"this": load("telemetry_this", os.path.join(REPO, "telemetry.py")),
                     args.baseline: load("telemetry_baseline", telemetry_at(args.baseline, tmp))}
-        wl = {"cnn": build_cnn, "mlp": build_mlp, "lora256": lambda: build_lora(256)}[args.workload]()
+        wl = {"cnn": build_cnn, "mlp": build_mlp, "lora256": lambda: build_lora(256),
+              "lora_deep": lambda: build_lora(64, layers=32, targets=ALL_PROJECTIONS)}[args.workload]()
         model = wl.model
         opt = wl.opt = wl.opt_factory(model.parameters())
         runs = {name: module.TrainingTelemetry(module.TelemetryConfig(

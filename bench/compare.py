@@ -116,18 +116,18 @@ def _classifier(name, model, batches, holdout):
     return wl
 
 
-def build_lora(hidden):
+def build_lora(hidden, layers=2, targets=("q_proj", "v_proj")):
     """Tiny Llama built locally (2 layers, vocab 1024), frozen, with a rank-8 LoRA on q_proj/v_proj."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
                       max_position_embeddings=128)
     base = LlamaForCausalLM(cfg)
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                            target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+                                            target_modules=list(targets), task_type="CAUSAL_LM"))
 
     def lm_batch(n):
         ids = torch.randint(0, 1024, (n, 32))

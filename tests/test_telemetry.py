@@ -256,6 +256,38 @@ def test_swapping_which_layer_is_frozen_is_seen_though_the_count_stays(tmp_path)
     assert groups["frozen_names"] == ["backbone.3.weight", "backbone.3.bias"]
 
 
+def test_the_trainable_set_is_read_as_model_parameters_gives_it():
+    """The walk that checks the layout at every collection gives model.parameters()'s trainable tensors, in
+    its order, on models that share a submodule, tie a weight, hold None, freeze some tensors and are
+    changed in place (a layer replaced, a parameter added, one deleted); a class that walks its
+    parameters its own way is read through parameters()."""
+    def want(m):
+        return tuple(id(p) for p in m.parameters() if p.requires_grad)
+
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), shared, torch.nn.ReLU(), torch.nn.Sequential(shared, None),
+                                torch.nn.ModuleDict({"b": torch.nn.Linear(4, 2), "a": torch.nn.Linear(4, 2)}))
+    model.register_parameter("none", None)
+    model[4]["a"].weight = model[4]["b"].weight  # tied
+    model[4]["b"].bias.requires_grad_(False)
+    assert telemetry._trainable_ids(model) == want(model) and len(want(model)) == 6
+    model[1] = torch.nn.Linear(4, 4)  # the shared layer replaced in one place only
+    model[4]["a"].register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
+    del model[0].bias
+    assert telemetry._trainable_ids(model) == want(model) and len(want(model)) == 8
+
+    class OwnWalk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def named_modules(self, *args, **kwargs):  # skips b
+            yield from ((n, m) for n, m in super().named_modules(*args, **kwargs) if m is not self.b)
+
+    odd = torch.nn.Sequential(OwnWalk(), torch.nn.Linear(2, 2))
+    assert telemetry._trainable_ids(odd) == want(odd) and len(want(odd)) == 4
+
+
 def test_reference_data_starts_on_a_page_whatever_the_names(tmp_path):
     """The header is padded so the tensors start at a multiple of 4096 bytes: at some offsets (80 bytes,
     e.g.) rewriting a large reference was measured several times slower (bench/write_alignment.py)."""
@@ -314,6 +346,33 @@ def test_reference_written_from_the_pass_chunks_equals_the_weights(tmp_path, mon
             assert rec["weight_delta"]["overall"] == pytest.approx(want, rel=1e-5)
         kept = {n: p.detach().clone() for n, p in model.named_parameters()}
     tel.close()
+
+
+def test_runs_of_small_tensors_are_written_bit_for_bit(tmp_path, monkeypatch):
+    """Small CPU tensors go to the file in blocks (one copy and one write per run of one dtype, up to
+    CHUNK_BYTES): hundreds of them, of three dtypes in turn, a channels_last one in its logical order, an
+    empty and a 0-dim one, and some over a block's size, read back bit for bit by safetensors, also
+    when the file is rewritten in place (its spare) with other values."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(telemetry, "CHUNK_BYTES", 4096)
+    g = torch.Generator().manual_seed(0)
+    conv = torch.randn(4, 3, 2, 2, generator=g).to(memory_format=torch.channels_last)
+    assert not conv.is_contiguous()
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.float16]
+    named = [(f"t{i}", (torch.randn(1 + (i * 37) % 400, generator=g) * 100).to(dtypes[i % len(dtypes)]))
+             for i in range(300)]
+    named[5:5] = [("conv", conv), ("empty", torch.zeros(0)), ("scalar", torch.tensor(2.5)),
+                  ("big", torch.randn(3000, generator=g)), ("ints", torch.arange(-20, 20))]
+    path = str(tmp_path / "ref.safetensors")
+    for round_ in range(3):
+        telemetry.write_tensor_file(path, named, metadata={"step": str(round_)})
+        loaded = load_file(path)
+        assert set(loaded) == {n for n, _ in named}
+        for n, t in named:
+            assert loaded[n].dtype == t.dtype and loaded[n].shape == t.shape and torch.equal(loaded[n], t), n
+        named = [(n, t + 1 if t.is_floating_point() else t - 1) for n, t in named]
+    assert os.path.exists(path + ".spare")  # the last rounds rewrote the spare in place
 
 
 def test_reference_write_fills_in_what_the_pass_did_not_hand_over(tmp_path):
