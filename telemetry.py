@@ -881,6 +881,7 @@ def dora_magnitude(module: torch.nn.Module, adapter: str) -> Optional[torch.Tens
     return m if isinstance(m, torch.Tensor) else None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # called for every adapter at every collection, with the same names
 def layer_index(name: str) -> Optional[int]:
     """The block index in a module name: 7 for "base_model.model.model.layers.7.self_attn.q_proj"."""
     parts = name.split(".")
@@ -955,12 +956,17 @@ def _by_layer(values_sq: torch.Tensor, layers: List[Optional[int]]) -> Dict[str,
 
 
 def _stacked(tensors: List[torch.Tensor], shape: tuple, device: torch.device) -> torch.Tensor:
-    """The tensors, each viewed as `shape`, stacked on `device` in the wide dtype: from CPU memory (a file's)
-    in one transfer, where one per small tensor would cost more than its bytes."""
-    parts = [t.detach().reshape(shape) for t in tensors]
-    if device.type != "cpu" and all(t.device.type == "cpu" for t in parts):
-        return _to_device(torch.stack(parts), device).to(_wide(device))
-    return torch.stack([t.to(device) for t in parts]).to(_wide(device))
+    """The tensors (all of one shape), stacked and viewed as [len, *shape] on `device` in the wide dtype: from
+    CPU memory (a file's) in one transfer, where one per small tensor would cost more than its bytes. One
+    stack and one reshape: a model's hundreds of adapters make a call per tensor cost more than the data."""
+    with torch.no_grad():
+        if all(t.device == device for t in tensors):
+            stacked = torch.stack(tensors)
+        elif device.type != "cpu" and all(t.device.type == "cpu" for t in tensors):
+            stacked = _to_device(torch.stack(tensors), device)
+        else:
+            stacked = torch.stack([t.to(device) for t in tensors])
+    return stacked.reshape(len(tensors), *shape).to(_wide(device))
 
 
 def _scales(scales: List[Any], device: torch.device) -> torch.Tensor:
@@ -983,11 +989,13 @@ def lora_stats(entries: List[tuple], previous: Optional[Any] = None) -> Dict[str
     wide = _wide(device)
     norm_sq, delta_sq, ranks = (torch.zeros(len(entries), dtype=wide, device=device) for _ in range(3))
     b_nonzero = torch.zeros(len(entries), dtype=torch.bool, device=device)
-    shapes: Dict[tuple, List[int]] = {}
+    shapes: Dict[tuple, List[int]] = {}  # adapters of one shape (and device): measured as one stack
     for k, (_, a, b, _) in enumerate(entries):
-        r = a.shape[0]
-        shapes.setdefault((a.device, (r, a.numel() // r), (b.numel() // r, r)), []).append(k)
-    for (dev, a_shape, b_shape), idx in shapes.items():
+        shapes.setdefault((a.device, a.shape, b.shape), []).append(k)
+    grad_sq = {"A": [], "B": []}
+    for (dev, a_full, b_full), idx in shapes.items():
+        r = a_full[0]
+        a_shape, b_shape = (r, a_full.numel() // r), (b_full.numel() // r, r)
         a = _stacked([entries[k][1] for k in idx], a_shape, dev)
         b = _stacked([entries[k][2] for k in idx], b_shape, dev)
         scale = _scales([entries[k][3] for k in idx], dev)
@@ -999,16 +1007,19 @@ def lora_stats(entries: List[tuple], previous: Optional[Any] = None) -> Dict[str
             delta_sq[rows] = lora_delta_sq(a, b, a0, b0, scale).to(device)
         ranks[rows] = stable_ranks(lora_core(a, b)).to(device, wide)
         b_nonzero[rows] = b.ne(0).flatten(1).any(1).to(device)
+        for key, col in (("A", 1), ("B", 2)):  # a stack of a group's gradients: one op, not one per tensor
+            grads = [entries[k][col].grad for k in idx if entries[k][col].grad is not None]
+            if grads:
+                grad_sq[key].append(_stacked(grads, (grads[0].numel(),), dev).square().sum().to(device))
     layers = [layer_index(name) for name, *_ in entries]
     norms = _by_layer(norm_sq, layers)
 
-    def grad_norm(params):
-        grads = [p.grad for p in params if p.grad is not None]
-        return per_tensor_sq_norms(grads, device).sum().sqrt() if grads else None
+    def grad_norm(key):
+        return torch.stack(grad_sq[key]).sum().sqrt() if grad_sq[key] else None
 
     return {"modules": len(entries), "adapter_norm": norms,
             "adapter_delta": (_by_layer(delta_sq, layers) if prev is not None else {k: None for k in norms}),
-            "grad_norm_A": grad_norm([e[1] for e in entries]), "grad_norm_B": grad_norm([e[2] for e in entries]),
+            "grad_norm_A": grad_norm("A"), "grad_norm_B": grad_norm("B"),
             "b_zero_fraction": 1.0 - b_nonzero.float().mean(),
             "stable_rank": {"min": ranks.min(), "median": ranks.quantile(0.5), "max": ranks.max()}}
 
@@ -4586,9 +4597,9 @@ class _LoraTracker:
             stream = stream_tensor_file(path, wanted, mapper=reference.maps.map)
             try:
                 for e in found:
-                    # A copy: the stream's tensors map a file that a later reference write overwrites in place.
-                    # It stays in CPU memory: lora_stats moves the copies to the device together.
-                    yield tuple(next(stream).clone() if id(p) in name_of else p for p in (e.a, e.b))
+                    # Views of the map, which lora_stats copies into its stacks at once, before the reference
+                    # is rewritten (in weight_delta, after this section); from CPU memory, in one transfer.
+                    yield tuple(next(stream) if id(p) in name_of else p for p in (e.a, e.b))
             finally:
                 stream.close()
         return pairs()

@@ -580,3 +580,51 @@ def test_trainer_clipping_records_the_norm_before_it(tmp_path):
         groups = [v for k, v in r["gradient_norm"].items() if k in ("lora_A", "lora_B")]
         assert rel(math.hypot(*groups), logged[r["step"]]) < 1e-5
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_conv_and_embedding_adapters_against_get_delta_weight(tmp_path):
+    """Adapters of several shapes and kinds in one model (two convolutions, an embedding, linears), each kind
+    stacked apart: adapter_norm, adapter_delta and the A and B gradient norms against peft's get_delta_weight
+    and torch's get_total_norm."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 6)
+            self.conv1, self.conv2 = torch.nn.Conv2d(6, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+            self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 5)
+
+        def forward(self, ids):
+            x = self.emb(ids).permute(0, 3, 1, 2)  # [n, 6, h, w]
+            x = self.conv2(torch.relu(self.conv1(x))).mean((2, 3))
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = get_peft_model(Net(), LoraConfig(r=3, lora_alpha=6, target_modules=["emb", "conv1", "conv2", "fc1", "fc2"]))
+    randomize_adapters(model, 2)
+    for name, p in model.named_parameters():
+        if "lora_embedding" in name:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    layers = lora_layers(model)
+    assert len(layers) == 5
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    tele = new_telemetry(tmp_path)
+    ids = torch.randint(0, 20, (4, 5, 5), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(2))
+    for step in (1, 2, 3):
+        before = dense_deltas(model)
+        torch.nn.functional.cross_entropy(model(ids), target).backward()
+        grads = {k: [p.grad for n, p in model.named_parameters() if f"lora_{k}" in n or f"lora_embedding_{k}" in n]
+                 for k in "AB"}
+        optimizer.step()
+        lora = tele.on_batch_end(model, optimizer, step, 0)["lora"]
+        optimizer.zero_grad()
+        after = dense_deltas(model)
+        assert lora["modules"] == 5
+        assert rel(lora["adapter_norm"]["overall"], math.sqrt(sum(float(d.square().sum()) for d in after.values()))) < 1e-6
+        if step > 1:
+            moved = math.sqrt(sum(float((after[n] - before[n]).square().sum()) for n in after))
+            assert moved > 0 and rel(lora["adapter_delta"]["overall"], moved) < 1e-6
+        for k in "AB":
+            assert len(grads[k]) == 5
+            assert rel(lora[f"grad_norm_{k}"], float(torch.nn.utils.get_total_norm(grads[k]))) < 1e-5
