@@ -82,7 +82,9 @@ CHUNK_BYTES = 2 << 20  # files are streamed in pieces this big: a few per thread
 PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this runs on one thread
 MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
 WHOLE_PASS_BYTES = 16 << 20  # up to this many trainable bytes the pass takes whole tensors, list-wide
-SMALL_WRITE_BYTES = 64 << 10  # smaller tensors are copied into blocks to be written: a write costs more
+# A tensor smaller than this costs more per op or write than its bytes: on the CPU, tensors of one shape are
+# stacked to be measured together, and runs of them are written to a file as one block.
+SMALL_TENSOR_BYTES = 64 << 10
 FUSED_MIN_ELEMENTS = 1 << 14  # the compiled kernel is specialised to chunks at least this long
 # Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
 _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
@@ -356,7 +358,14 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     for (dev, dtype), idx in buckets.items():
         bucket = [tensors[i] for i in idx]
         threads, work = _pass_threads(bucket), _work_dtype(dtype)
-        if threads == 1:
+        groups, rest = _same_shape_groups(bucket) if threads == 1 else ([], [])
+        if groups:  # many small CPU tensors of a few shapes (LoRA's): a stack per shape, the rest list-wide
+            sq = torch.empty(len(bucket), dtype=torch.float32, device=dev)
+            for members in groups:
+                sq[members] = _stacked_sq_norms([bucket[i] for i in members], None, work)
+            if rest:
+                sq[rest] = torch.stack(torch._foreach_norm([bucket[i] for i in rest], 2, dtype=work)).square().float()
+        elif threads == 1:
             sq = torch.stack(torch._foreach_norm(bucket, 2, dtype=work)).square().float()
         else:  # a large CPU bucket: each thread norms an equal share of pieces of the tensors, then they add up
             owner, pieces = [], []
@@ -374,6 +383,27 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
             return sq.to(device)
         out[torch.tensor(idx, device=device)] = sq.to(device)
     return out
+
+
+def _same_shape_groups(tensors: List[torch.Tensor]) -> tuple:
+    """([indices of small CPU tensors of one shape and dtype, in groups of 16 or more], [the other indices]):
+    a group is measured as one stack, where hundreds of small tensors (a LoRA model's) would each cost an
+    op's fixed cost several times over (see SMALL_TENSOR_BYTES)."""
+    groups: Dict[tuple, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type == "cpu" and t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
+            groups.setdefault((t.shape, t.dtype), []).append(i)
+    stacked = [idx for idx in groups.values() if len(idx) >= 16]  # fewer cost less list-wide (measured)
+    taken = {i for idx in stacked for i in idx}
+    return stacked, [i for i in range(len(tensors)) if i not in taken]
+
+
+def _stacked_sq_norms(tensors: List[torch.Tensor], minus: Optional[List[torch.Tensor]], work: torch.dtype) -> torch.Tensor:
+    """||t - m||^2 (||t||^2 without `minus`) of tensors of one shape, from one stack, in `work`, as float32."""
+    x = torch.stack(tensors).to(work)
+    if minus is not None:
+        x = x - torch.stack(minus).to(work)
+    return x.square().flatten(1).sum(1).float()
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -1337,12 +1367,12 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                     handed[i] += values.numel()
 
             def write_data():
-                # Runs of small CPU tensors of one dtype go out as one block of up to CHUNK_BYTES: a model of
-                # hundreds of small tensors (LoRA adapters) costs a call per tensor more than its bytes.
+                # Runs of small CPU tensors of one dtype go out as one block of up to CHUNK_BYTES (see
+                # SMALL_TENSOR_BYTES).
                 run: List[int] = []
                 for i, t in enumerate(tensors + [None]):
                     small = t is not None and handed[i] != t.numel() and t.device.type == "cpu" and \
-                        t.numel() * t.element_size() < SMALL_WRITE_BYTES
+                        t.numel() * t.element_size() < SMALL_TENSOR_BYTES
                     if run and not (small and t.dtype == tensors[run[0]].dtype and
                                     starts[i] + t.numel() * t.element_size() - starts[run[0]] <= CHUNK_BYTES):
                         f.seek(starts[run[0]])
@@ -1990,6 +2020,9 @@ class _ChangePass:
         whole model are materialised, one at a time, which is why this is for small models only."""
         device = self.flats[0].device
         ws = _floats_on(self.flats, device)
+        groups, rest = _same_shape_groups(ws) if not self.detail else ([], [])
+        if groups:  # many small CPU tensors of a few shapes (LoRA's): a stack per shape, the rest list-wide
+            return self._by_shape(ws, groups, rest)
         out = {"weight_sq": _squared_norms(ws)}
         if self.refs is not None:
             rs = _floats_on([r.view(-1) for r in self.refs], device)
@@ -2005,6 +2038,24 @@ class _ChangePass:
         if self.inits is not None:
             out["drift_sq"] = _squared_norms(torch._foreach_sub(ws, _floats_on([r.view(-1) for r in self.inits],
                                                                              device)))
+        return out
+
+    def _by_shape(self, ws: List[torch.Tensor], groups: List[List[int]], rest: List[int]) -> Dict[str, torch.Tensor]:
+        """whole()'s sums with each group of small tensors of one shape stacked, the rest list-wide."""
+        out = {}
+        for key, files in (("weight_sq", None), ("delta_sq", self.refs), ("drift_sq", self.inits)):
+            if key != "weight_sq" and files is None:
+                continue
+            sq = torch.empty(len(ws), dtype=torch.float32)
+            for members in groups:
+                sq[members] = _stacked_sq_norms([ws[i] for i in members], None if files is None else
+                                                [files[i].view(-1) for i in members], ws[members[0]].dtype)
+            if rest:
+                others = [ws[i] for i in rest]
+                if files is not None:
+                    others = torch._foreach_sub(others, _floats_on([files[i].view(-1) for i in rest], ws[0].device))
+                sq[rest] = _squared_norms(others)
+            out[key] = sq
         return out
 
     def combine(self, accs: List[Dict[str, List[torch.Tensor]]], device: torch.device) -> Dict[str, torch.Tensor]:

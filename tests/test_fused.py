@@ -107,6 +107,28 @@ def test_whole_tensor_pass_matches_float64_and_the_chunked_counts(tmp_path, monk
         assert torch.equal(got[key], chunked[key]), key
 
 
+def test_many_small_tensors_of_a_few_shapes_are_stacked_and_match_float64(tmp_path):
+    """A LoRA model's hundreds of small tensors of a few shapes are measured a stack per shape, beside the
+    others list-wide: the same sums as float64 (bf16 ones and a 0-dim one among them), also for the
+    gradient norms; and the stacks are what served (groups of 16 or more)."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 64), (64, 8), (8, 64), (5,), (8, 128), (300, 7)] * 20 + [(), (3, 3, 3, 3), (0,)]
+    w = [torch.randn(s, generator=gen) for s in shapes]
+    w = [t.bfloat16() if k % 7 == 3 else t for k, t in enumerate(w)]
+    r = [t + (1e-3 * torch.randn(t.shape, generator=gen)).to(t.dtype) for t in w]
+    w0 = [t + (1e-1 * torch.randn(t.shape, generator=gen)).to(t.dtype) for t in w]
+    groups, rest = telemetry._same_shape_groups([t.reshape(-1) for t in w])
+    assert len(groups) >= 4 and rest  # the stacks serve most, the list-wide ops the rest
+    named, ref, init = files(tmp_path, w, r, w0)
+    got = changes(named, ref, init, False, False)
+    want = float64_sums(*([t.reshape(-1) for t in ts] for ts in (w, r, w0)))
+    for key in ("weight_sq", "delta_sq", "drift_sq"):
+        assert got[key].dtype == torch.float32 and len(got[key]) == len(w)
+        assert got[key].tolist() == pytest.approx(want[key], rel=1e-5, abs=1e-12), key
+    norms = telemetry.per_tensor_sq_norms(w)
+    assert norms.tolist() == pytest.approx([float(t.double().square().sum()) for t in w], rel=1e-5, abs=1e-12)
+
+
 class Wide(nn.Module):
     """17 MiB of float32: above WHOLE_PASS_BYTES, so the chunked pass and the kernels serve it."""
 
