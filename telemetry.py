@@ -85,6 +85,7 @@ WHOLE_PASS_BYTES = 16 << 20  # up to this many trainable bytes the pass takes wh
 # A tensor smaller than this costs more per op or write than its bytes: on the CPU, tensors of one shape are
 # stacked to be measured together, and runs of them are written to a file as one block.
 SMALL_TENSOR_BYTES = 64 << 10
+MIN_STACKED = 16  # fewer such tensors cost less one by one than copied together (measured)
 FUSED_MIN_ELEMENTS = 1 << 14  # the compiled kernel is specialised to chunks at least this long
 # Dropping a map's pages after use keeps RSS flat (MADV_DONTNEED; absent on Windows, where they stay).
 _CAN_RELEASE_PAGES = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
@@ -386,14 +387,16 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
 
 
 def _same_shape_groups(tensors: List[torch.Tensor]) -> tuple:
-    """([indices of small CPU tensors of one shape and dtype, in groups of 16 or more], [the other indices]):
+    """([indices of small CPU tensors of one shape and dtype, in groups of MIN_STACKED or more], [the others]):
     a group is measured as one stack, where hundreds of small tensors (a LoRA model's) would each cost an
     op's fixed cost several times over (see SMALL_TENSOR_BYTES)."""
+    if len(tensors) < MIN_STACKED:
+        return [], list(range(len(tensors)))
     groups: Dict[tuple, List[int]] = {}
     for i, t in enumerate(tensors):
         if t.device.type == "cpu" and t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
             groups.setdefault((t.shape, t.dtype), []).append(i)
-    stacked = [idx for idx in groups.values() if len(idx) >= 16]  # fewer cost less list-wide (measured)
+    stacked = [idx for idx in groups.values() if len(idx) >= MIN_STACKED]
     taken = {i for idx in stacked for i in idx}
     return stacked, [i for i in range(len(tensors)) if i not in taken]
 
@@ -1376,9 +1379,11 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                     if run and not (small and t.dtype == tensors[run[0]].dtype and
                                     starts[i] + t.numel() * t.element_size() - starts[run[0]] <= CHUNK_BYTES):
                         f.seek(starts[run[0]])
-                        block = tensors[run[0]] if len(run) == 1 else torch.cat([tensors[k].reshape(-1) for k in run])
-                        for chunk in _host_chunks(block):
-                            f.write(chunk)
+                        blocks = [torch.cat([tensors[k].reshape(-1) for k in run])] if len(run) >= MIN_STACKED \
+                            else [tensors[k] for k in run]
+                        for block in blocks:
+                            for chunk in _host_chunks(block):
+                                f.write(chunk)
                         run = []
                     if small:
                         run.append(i)

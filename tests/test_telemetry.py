@@ -349,19 +349,20 @@ def test_reference_written_from_the_pass_chunks_equals_the_weights(tmp_path, mon
 
 
 def test_runs_of_small_tensors_are_written_bit_for_bit(tmp_path, monkeypatch):
-    """Small CPU tensors go to the file in blocks (one copy and one write per run of one dtype, up to
-    CHUNK_BYTES): hundreds of them, of three dtypes in turn, a channels_last one in its logical order, an
-    empty and a 0-dim one, and some over a block's size, read back bit for bit by safetensors, also
-    when the file is rewritten in place (its spare) with other values."""
+    """Small CPU tensors go to the file in blocks (one copy and one write per run of MIN_STACKED or more of one
+    dtype, up to CHUNK_BYTES): hundreds of them, of three dtypes in runs long and short, a channels_last one
+    in its logical order, an empty and a 0-dim one, and a run longer than a block, read back bit for bit by
+    safetensors, also when the file is rewritten in place (its spare) with other values."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(telemetry, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(telemetry, "CHUNK_BYTES", 1 << 16)
     g = torch.Generator().manual_seed(0)
     conv = torch.randn(4, 3, 2, 2, generator=g).to(memory_format=torch.channels_last)
     assert not conv.is_contiguous()
-    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.float16]
-    named = [(f"t{i}", (torch.randn(1 + (i * 37) % 400, generator=g) * 100).to(dtypes[i % len(dtypes)]))
-             for i in range(300)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.float16, torch.float32]
+    runs = [40, 3, 60, 1, 25, 171]  # runs of one dtype: long ones go out in blocks, short ones tensor by tensor
+    kinds = [dtype for dtype, n in zip(dtypes, runs) for _ in range(n)]
+    named = [(f"t{i}", (torch.randn(1 + (i * 37) % 400, generator=g) * 100).to(kind)) for i, kind in enumerate(kinds)]
     named[5:5] = [("conv", conv), ("empty", torch.zeros(0)), ("scalar", torch.tensor(2.5)),
                   ("big", torch.randn(3000, generator=g)), ("ints", torch.arange(-20, 20))]
     path = str(tmp_path / "ref.safetensors")
