@@ -3,7 +3,7 @@
     python bench/ab_collection.py --baseline REV [--workload cnn|mlp|lora256|lora_deep] [--pairs 400]
 
 lora_deep: the LoRA workload's Llama at 32 layers of width 64 with rank-8 adapters on all seven projections
-(448 trainable tensors in 2,665 modules, as many as a 7B Llama's LoRA on them).
+(see compare.build_lora).
 
 Both versions are loaded as modules, each with a TrainingTelemetry (the default config, no holdout) writing
 to a directory of its own. Every round trains one step and collects with one version, then another step and
@@ -27,9 +27,7 @@ import torch
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
-from compare import build_cnn, build_lora, build_mlp  # noqa: E402  (the benchmark's own workloads)
-
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from compare import build_workload  # noqa: E402  (the benchmark's own workloads)
 
 
 def load(name, path):
@@ -62,8 +60,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         versions = {"this": load("telemetry_this", os.path.join(REPO, "telemetry.py")),
                     args.baseline: load("telemetry_baseline", telemetry_at(args.baseline, tmp))}
-        wl = {"cnn": build_cnn, "mlp": build_mlp, "lora256": lambda: build_lora(256),
-              "lora_deep": lambda: build_lora(64, layers=32, targets=ALL_PROJECTIONS)}[args.workload]()
+        wl = build_workload(args.workload)
         model = wl.model
         opt = wl.opt = wl.opt_factory(model.parameters())
         runs = {name: module.TrainingTelemetry(module.TelemetryConfig(

@@ -116,8 +116,13 @@ def _classifier(name, model, batches, holdout):
     return wl
 
 
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def build_lora(hidden, layers=2, targets=("q_proj", "v_proj")):
-    """Tiny Llama built locally (2 layers, vocab 1024), frozen, with a rank-8 LoRA on q_proj/v_proj."""
+    """Tiny Llama built locally (2 layers, vocab 1024), frozen, with a rank-8 LoRA on q_proj/v_proj.
+    lora_deep: 32 layers of width 64 with the adapters on all seven projections, 448 trainable tensors in
+    2,665 modules: as many as a 7B Llama's LoRA on them, so the per-tensor costs are a real model's."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -155,6 +160,8 @@ def build_workload(name):
         return build_cnn()
     if name == "mlp":
         return build_mlp()
+    if name == "lora_deep":
+        return build_lora(64, layers=32, targets=ALL_PROJECTIONS)
     m = re.fullmatch(r"lora(\d+)", name)
     if m:
         return build_lora(int(m.group(1)))

@@ -2,14 +2,17 @@
 # bench/RESULTS.md from one run on one commit: the side-by-side comparison (compare.py writes the file), then
 # one collection on the 50M-parameter MLP against its floors (and a fresh process's first collection against
 # the version before the fused kernels), where one CNN collection's time goes, then the CNN collecting at every
-# step in one process, alternating blocks with and without (ours, and wandb.watch), then what the activation
-# check costs, then the GPU figures that bench/gpu_cost.py measured on a lent GPU machine (bench/gpu/).
+# step in one process, alternating blocks with and without (ours, and wandb.watch), then a LoRA model of many
+# adapters the same way and one collection on it against the version before its per-tensor costs were cut,
+# then what the activation check costs, then the GPU figures that bench/gpu_cost.py measured on a lent GPU
+# machine (bench/gpu/).
 # Needs bench/setup.sh's venvs.
 # Arguments go to compare.py (e.g. --repeats 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=bench/.venv/bin/python
 FIRST_BASELINE=0d97e26  # telemetry.py before the fused kernels: the first collection must not be slower than it
+MANY_BASELINE=d93d1cb  # telemetry.py before the per-tensor costs of a model of many small tensors were cut
 export BENCH_COCKPIT_PYTHON=$PWD/bench/.venv-cockpit/bin/python BENCH_ANALYZER_PYTHON=$PWD/bench/.venv/bin/python
 $PY bench/compare.py "$@"
 {
@@ -45,6 +48,27 @@ $PY bench/compare.py "$@"
         $PY bench/compare.py --blocks cnn "$config" 1 32 16
         echo '```'
     done
+    echo
+    echo "## A LoRA model of many adapters"
+    echo
+    echo "lora_deep: the LoRA workload's Llama at 32 layers of width 64 with rank-8 adapters on all seven"
+    echo "projections: 448 trainable tensors in 2,665 modules, as many as a 7B Llama's LoRA on them, so a"
+    echo "collection's per-tensor costs are a real model's. Collecting at every step, alternating blocks of 16"
+    echo "steps with and without, 8 rounds:"
+    echo
+    echo "\`$PY bench/compare.py --blocks lora_deep ours 1 16 8\`:"
+    echo
+    echo '```'
+    $PY bench/compare.py --blocks lora_deep ours 1 16 8
+    echo '```'
+    echo
+    echo "One collection, this telemetry.py against $MANY_BASELINE's, in one process (alternating):"
+    echo
+    echo "\`$PY bench/ab_collection.py --baseline $MANY_BASELINE --workload lora_deep --pairs 100\`:"
+    echo
+    echo '```'
+    $PY bench/ab_collection.py --baseline "$MANY_BASELINE" --workload lora_deep --pairs 100
+    echo '```'
     echo
     echo "## The activation check (track_activations) on collecting and other steps"
     echo
