@@ -2561,7 +2561,8 @@ FINDINGS = {
     "frozen_parameters": (("warning", "critical"), "analyzer", "requires_grad is off for a share of a group "
                           "whose learning rate is above 0"),
     "lora_not_learning": (("critical",), "analyzer", "a LoRA adapter stays at zero (B never leaves 0)"),
-    "lr_zero": (("warning", "critical"), "both", "a group's learning rate is 0 while others train"),
+    "lr_zero": (("warning", "critical"), "both", "a group's learning rate is 0 while others train, or every "
+                "group's"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
@@ -2601,7 +2602,9 @@ _AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("not_learning",) + STAGES[4]
 _UNTRAINED_PART = ("frozen_group", "holdout_at_chance", "loss_stalled", "forgetting")
 CONSEQUENCES = {
     "missing_gradients": ("frozen_group", "exploding_gradients", "vanishing_gradients"),
-    **dict.fromkeys(("frozen_parameters", "lr_zero"), _UNTRAINED_PART),
+    "frozen_parameters": _UNTRAINED_PART,
+    # one group at lr 0 leaves the others to learn; every group at lr 0 (no group named) moves nothing
+    "lr_zero": _UNTRAINED_PART + ("not_learning",),
     # a LoRA adapter that does not learn while some tensors are in no optimizer group: they are its own
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
@@ -2652,6 +2655,8 @@ def _explains(cause: Finding, f: Finding, tolerance: float = 0) -> bool:
         return False   # an effect does not come before its cause (seen at the collections' resolution)
     if cause.code == "lora_not_learning" and code in ("lr_zero", "frozen_group"):
         return "lora" in (f.group or "").lower()
+    if cause.code == "lr_zero" and code == "not_learning":
+        return cause.group is None
     return not (cause.code in GROUP_SCOPED and code == "frozen_group" and f.group != cause.group)
 
 

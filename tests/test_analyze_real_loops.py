@@ -668,3 +668,37 @@ def test_a_noisy_train_loss_is_no_stall_when_the_holdout_is_past_chance(tmp_path
     sklearn_run(tmp_path / "shuffled", x[:250], shuffled, (x[250:290], y[250:290]), **dict(run, steps=300))
     _, found = codes(tmp_path / "shuffled")
     assert {"holdout_at_chance", "loss_stalled"} & set(found), sorted(found)
+
+
+@pytest.mark.parametrize("every_group", [True, False])
+def test_no_weight_moving_at_lr_0_follows_from_the_lr(tmp_path, every_group):
+    """Every group at learning rate 0: nothing moves, and not_learning (whose hint is a larger lr, which 0
+    times anything is not) is told as what the lr 0 explains, not as a second cause beside it. With only
+    the head at lr 0 the body learns: the head's lr_zero is named and nothing says no weight changed."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y, _ = standardized(load_digits, fit=800)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "name": "body", "lr": 0.0 if every_group else 0.1},
+                           {"params": model[2].parameters(), "name": "head", "lr": 0.0}])
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=5, holdout_size=100))
+    tel.set_holdout_data((x[800:900], y[800:900]))
+    for i in range(1, 121):
+        idx = slice((i * 32) % 768, (i * 32) % 768 + 32)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
+        opt.zero_grad()
+    tel.close()
+    run, found = codes(tmp_path)
+    top = at.diagnose(run)
+    assert top[0].code == "lr_zero"
+    if every_group:
+        assert top[0].group is None and "not_learning" in found
+        assert "not_learning" in [c.code for c in top[0].consequences]
+        assert "not_learning" not in [f.code for f in top]
+    else:
+        assert top[0].group == "head" and "not_learning" not in found
