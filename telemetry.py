@@ -406,7 +406,7 @@ def _stacked_sq_norms(tensors: List[torch.Tensor], minus: Optional[List[torch.Te
     x = torch.stack(tensors).to(work)
     if minus is not None:
         x = x - torch.stack(minus).to(work)
-    return x.square().flatten(1).sum(1).float()
+    return x.square().reshape(len(tensors), -1).sum(1).float()  # 0-dim tensors stack to one dimension
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:

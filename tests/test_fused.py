@@ -129,6 +129,42 @@ def test_many_small_tensors_of_a_few_shapes_are_stacked_and_match_float64(tmp_pa
     assert norms.tolist() == pytest.approx([float(t.double().square().sum()) for t in w], rel=1e-5, abs=1e-12)
 
 
+def test_a_model_of_many_scalar_parameters_is_measured(tmp_path):
+    """20 learnable 0-dim scalars (a ReZero gate per block) and 20 empty tensors stack into groups of one
+    dimension: the gradient norm and the weight delta against get_total_norm and weight copies."""
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(20))
+            self.gates = nn.ParameterList(nn.Parameter(torch.tensor(0.5)) for _ in range(20))
+            self.empty = nn.ParameterList(nn.Parameter(torch.zeros(0)) for _ in range(20))
+
+        def forward(self, x):
+            for block, gate in zip(self.blocks, self.gates):
+                x = x + gate * torch.tanh(block(x))
+            return x
+
+    torch.manual_seed(0)
+    model = Gated()
+    assert len(telemetry._same_shape_groups([p.detach() for p in model.parameters()])[0]) == 4
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1, track_holdout_logits=False,
+                                            strict=True))
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.randn(8, 4)).square().mean().backward()
+        want = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+        opt.step()
+        rec = tel.on_batch_end(model, opt, step, 0)
+        opt.zero_grad()
+        assert rec["gradient_norm"]["overall"] == pytest.approx(want, rel=1e-5)
+        if step:
+            moved = sum(float((p.detach().double() - b.double()).square().sum())
+                        for p, b in zip(model.parameters(), before)) ** 0.5
+            assert rec["weight_delta"]["overall"] == pytest.approx(moved, rel=1e-5)
+    tel.close()
+
+
 class Wide(nn.Module):
     """17 MiB of float32: above WHOLE_PASS_BYTES, so the chunked pass and the kernels serve it."""
 
