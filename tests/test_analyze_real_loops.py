@@ -565,13 +565,29 @@ def test_a_heads_10x_lr_under_a_key_the_optimizer_never_reads(tmp_path, key):
            "than meant)" in first.message
 
 
+def train_digits(out, model, opt, x, y, steps):
+    """`steps` batches of 32 of the first 768 examples in order, with the real TrainingTelemetry collecting
+    every 5th step into `out` and examples 800-899 as its holdout."""
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=5, holdout_size=100))
+    tel.set_holdout_data((x[800:900], y[800:900]))
+    for i in range(1, steps + 1):
+        idx = slice((i * 32) % 768, (i * 32) % 768 + 32)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
+        opt.zero_grad()
+    tel.close()
+
+
 def test_an_optimizer_that_holds_only_frozen_tensors_is_not_a_call_order_problem(tmp_path):
     """The optimizer built over a backbone that was then frozen, the new head trainable but in no optimizer
     (an adapter added after the optimizer was made): no tensor the optimizer holds has a .grad, so every
     gradient norm is null. That is not a hook called after zero_grad (missing_gradients, 'call on_batch_end
     before zero_grad'): the causes are the frozen group and the head outside the optimizer, and they lead."""
     from sklearn.datasets import load_digits
-    from telemetry import TelemetryConfig, TrainingTelemetry
 
     x, y, _ = standardized(load_digits, fit=800)
     torch.manual_seed(0)
@@ -579,18 +595,9 @@ def test_an_optimizer_that_holds_only_frozen_tensors_is_not_a_call_order_problem
     opt = torch.optim.Adam(backbone.parameters(), lr=1e-3)
     backbone.requires_grad_(False)
     model = nn.Sequential(backbone, head)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=5, holdout_size=100))
-    tel.set_holdout_data((x[800:900], y[800:900]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for i in range(1, 101):
-            idx = slice((i * 32) % 768, (i * 32) % 768 + 32)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
-            opt.zero_grad()
-    tel.close()
+        train_digits(tmp_path, model, opt, x, y, 100)
     run, found = codes(tmp_path)
     assert all(r["gradient_norm"]["overall"] is None for r in run.records)
     assert "missing_gradients" not in found, found["missing_gradients"].message
@@ -676,23 +683,13 @@ def test_no_weight_moving_at_lr_0_follows_from_the_lr(tmp_path, every_group):
     times anything is not) is told as what the lr 0 explains, not as a second cause beside it. With only
     the head at lr 0 the body learns: the head's lr_zero is named and nothing says no weight changed."""
     from sklearn.datasets import load_digits
-    from telemetry import TelemetryConfig, TrainingTelemetry
 
     x, y, _ = standardized(load_digits, fit=800)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     opt = torch.optim.SGD([{"params": model[0].parameters(), "name": "body", "lr": 0.0 if every_group else 0.1},
                            {"params": model[2].parameters(), "name": "head", "lr": 0.0}])
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=5, holdout_size=100))
-    tel.set_holdout_data((x[800:900], y[800:900]))
-    for i in range(1, 121):
-        idx = slice((i * 32) % 768, (i * 32) % 768 + 32)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-        tel.on_batch_end(model, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
-        opt.zero_grad()
-    tel.close()
+    train_digits(tmp_path, model, opt, x, y, 120)
     run, found = codes(tmp_path)
     top = at.diagnose(run)
     assert top[0].code == "lr_zero"
