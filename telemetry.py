@@ -386,6 +386,11 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     return out
 
 
+def _small_cpu(t: torch.Tensor) -> bool:
+    """A CPU tensor under SMALL_TENSOR_BYTES."""
+    return t.device.type == "cpu" and t.numel() * t.element_size() < SMALL_TENSOR_BYTES
+
+
 def _same_shape_groups(tensors: List[torch.Tensor]) -> tuple:
     """([indices of small CPU tensors of one shape and dtype, in groups of MIN_STACKED or more], [the others]):
     a group is measured as one stack, where hundreds of small tensors (a LoRA model's) would each cost an
@@ -394,14 +399,15 @@ def _same_shape_groups(tensors: List[torch.Tensor]) -> tuple:
         return [], list(range(len(tensors)))
     groups: Dict[tuple, List[int]] = {}
     for i, t in enumerate(tensors):
-        if t.device.type == "cpu" and t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
+        if _small_cpu(t):
             groups.setdefault((t.shape, t.dtype), []).append(i)
     stacked = [idx for idx in groups.values() if len(idx) >= MIN_STACKED]
     taken = {i for idx in stacked for i in idx}
     return stacked, [i for i in range(len(tensors)) if i not in taken]
 
 
-def _stacked_sq_norms(tensors: List[torch.Tensor], minus: Optional[List[torch.Tensor]], work: torch.dtype) -> torch.Tensor:
+def _stacked_sq_norms(tensors: List[torch.Tensor], minus: Optional[List[torch.Tensor]],
+                      work: torch.dtype) -> torch.Tensor:
     """||t - m||^2 (||t||^2 without `minus`) of tensors of one shape, from one stack, in `work`, as float32."""
     x = torch.stack(tensors).to(work)
     if minus is not None:
@@ -1370,26 +1376,24 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                     handed[i] += values.numel()
 
             def write_data():
-                # Runs of small CPU tensors of one dtype go out as one block of up to CHUNK_BYTES (see
-                # SMALL_TENSOR_BYTES).
-                run: List[int] = []
-                for i, t in enumerate(tensors + [None]):
-                    small = t is not None and handed[i] != t.numel() and t.device.type == "cpu" and \
-                        t.numel() * t.element_size() < SMALL_TENSOR_BYTES
-                    if run and not (small and t.dtype == tensors[run[0]].dtype and
-                                    starts[i] + t.numel() * t.element_size() - starts[run[0]] <= CHUNK_BYTES):
-                        f.seek(starts[run[0]])
-                        blocks = [torch.cat([tensors[k].reshape(-1) for k in run])] if len(run) >= MIN_STACKED \
-                            else [tensors[k] for k in run]
-                        for block in blocks:
-                            for chunk in _host_chunks(block):
-                                f.write(chunk)
-                        run = []
-                    if small:
+                # What put() did not write, run by run: a run is one tensor, or consecutive small CPU tensors of
+                # one dtype up to CHUNK_BYTES, written as one block from MIN_STACKED on (see SMALL_TENSOR_BYTES).
+                runs: List[List[int]] = []
+                for i, t in enumerate(tensors):
+                    run = runs[-1] if runs else []
+                    if handed[i] == t.numel():
+                        runs.append([])  # written already: the next tensor is not next to the last in the file
+                    elif run and _small_cpu(t) and _small_cpu(tensors[run[0]]) and t.dtype == tensors[run[0]].dtype \
+                            and starts[i] + t.numel() * t.element_size() - starts[run[0]] <= CHUNK_BYTES:
                         run.append(i)
-                    elif t is not None and handed[i] != t.numel():
-                        f.seek(starts[i])
-                        for chunk in _host_chunks(t):
+                    else:
+                        runs.append([i])
+                for run in filter(None, runs):
+                    f.seek(starts[run[0]])
+                    blocks = [torch.cat([tensors[k].reshape(-1) for k in run])] if len(run) >= MIN_STACKED else \
+                        [tensors[k] for k in run]
+                    for block in blocks:
+                        for chunk in _host_chunks(block):
                             f.write(chunk)
 
             result = None
