@@ -825,7 +825,8 @@ _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "refere
                     "layer_stats", "grad_profile", "activations", "param_change/per_layer",
                     "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
                     "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
-                    "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels")
+                    "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
+                    "batch_stats/input_elements")
 
 
 def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry", classes: Any = ()) -> Dict[str, float]:
@@ -4173,6 +4174,8 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
         batch, (tuple, list)) else [batch]) if isinstance(t, torch.Tensor)), None)
     if inputs is not None:
         stats["fingerprint"] = batch_fingerprint(inputs)
+        if inputs.is_floating_point():  # with sum x^2, the inputs' scale (token ids have none)
+            stats["input_elements"] = inputs.numel()
     return stats
 
 

@@ -2,6 +2,7 @@
 per group, the gradient norm per layer, activation health over the holdout, a fingerprint of each batch."""
 
 import json
+import math
 import os
 import sys
 
@@ -92,7 +93,16 @@ def test_batch_fingerprint_repeats_exactly_with_the_batch(tmp_path):
     prints = []
     for batch in (same, other, same):
         step(model, optimizer, *batch)
-        prints.append(tel.on_batch_end(model, optimizer, 0, 0, batch=batch)["batch_stats"]["fingerprint"])
+        stats = tel.on_batch_end(model, optimizer, 0, 0, batch=batch)["batch_stats"]
+        prints.append(stats["fingerprint"])
+        # the inputs' scale: the root mean square per element, from the sum of squares and the element count
+        rms = math.sqrt(stats["fingerprint"][1] / stats["input_elements"])
+        assert rms == pytest.approx(batch[0].double().square().mean().sqrt().item(), rel=1e-6)
+    # token ids have no scale: no element count beside their fingerprint
+    ids = {"input_ids": torch.randint(0, 50, (4, 6)), "label": torch.randint(0, 3, (4,))}
+    step(model, optimizer, *other)
+    stats = tel.on_batch_end(model, optimizer, 0, 0, batch=ids)["batch_stats"]
+    assert "fingerprint" in stats and "input_elements" not in stats
     tel.close()
     assert prints[0] == prints[2] != prints[1]
     assert prints[0] == [pytest.approx(same[0].double().sum().item()), pytest.approx(same[0].double().square().sum().item())]

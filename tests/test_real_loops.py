@@ -126,7 +126,7 @@ def test_unusable_holdouts_are_refused_at_set_holdout_data(tmp_path):
         with pytest.raises(ValueError, match=r"labels of shape \[50, 5\] holding only 0 and 1 are multi-label"):
             tel.set_holdout_data((x[:50], targets))
         # Nor are a training batch's 0/1 cells counted as if they were classes.
-        assert batch_stats((x[:50], targets), None) == {"batch_size": 50, "label_key": "label",
+        assert batch_stats((x[:50], targets), None) == {"batch_size": 50, "label_key": "label", "input_elements": 3200,
                                                          "fingerprint": batch_stats((x[:50],), None)["fingerprint"]}
     with pytest.raises(ValueError, match=r"argmax"):
         tel.set_holdout_data((x[:50], nn.functional.one_hot(y[:50], 10).float()))
@@ -313,7 +313,7 @@ def test_regression_is_recorded_as_regression(tmp_path):
     stats = dict(rec["batch_stats"])
     assert stats.pop("fingerprint") == [pytest.approx(x[:32].double().sum().item()),
                                         pytest.approx(x[:32].double().square().sum().item())]
-    assert stats == {"batch_size": 32, "label_key": "label"}
+    assert stats == {"batch_size": 32, "label_key": "label", "input_elements": x[:32].numel()}
 
 
 def test_class_indices_stored_as_floats_name_the_cast(tmp_path):
