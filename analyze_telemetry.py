@@ -2198,6 +2198,55 @@ def check_padding_supervised(run: Run) -> list:
              "pad_token = eos_token, mask by the attention mask, not by the token id), in the holdout too.")]
 
 
+# Standardised features and pixels in [0, 1] have a root mean square near 1 or below; raw pixels of 0-255 or
+# tabular features in the hundreds are far above it. Inputs that large make the first layer's pre-activations
+# and gradients as large: ReLUs die at the first steps, tanh saturates, updates blow up.
+UNSCALED_RMS = 10.0
+# A classifier starts near log K whatever it is, on inputs of a sane scale; many times that is logits blown up
+# by the inputs.
+UNSCALED_START = 10.0
+
+
+def _input_rms(run: Run):
+    """(median root mean square per element of the batches' floating-point inputs, batches) from their
+    fingerprint (sum x^2) and element count; None with fewer than 3 such batches (integer inputs have none)."""
+    rms = []
+    for r in run.records:
+        fp, n = _get(r, ["batch_stats", "fingerprint"]), _get(r, ["batch_stats", "input_elements"])
+        if isinstance(fp, list) and len(fp) == 2 and _has_type(n, int) and n > 0 and math.isfinite(_num(fp[1])):
+            rms.append(math.sqrt(max(_num(fp[1]), 0.0) / n))
+    return (float(np.median(rms)), len(rms)) if len(rms) >= 3 else None
+
+
+def check_unscaled_inputs(run: Run) -> list:
+    """Inputs far larger than standardised ones, in a run that blows up or whose units die or saturate: the
+    scale is the cause to fix first. A run that trains well on such inputs (a normalisation layer first) is
+    left alone."""
+    found = _input_rms(run)
+    if found is None or found[0] <= UNSCALED_RMS:
+        return []
+    effects = sorted({f.code for check in (check_nonfinite, check_loss_diverging, check_exploding_gradients,
+                                            check_loss_oscillating, check_dead_units, check_saturated_units)
+                      for f in check(run)})
+    untrained = _chance_losses(run)[0]
+    first = _edge_median(column(run, "loss"), "first", 0.1)
+    if untrained and first > UNSCALED_START * untrained:   # logits as large as the inputs, from the first step
+        effects.append(f"a train loss of {_fmt(first)} over the first tenth of the run, {_fmt(first / untrained)}x "
+                       f"the {_fmt(untrained)} of a model that knows nothing")
+    if not effects:
+        return []
+    st = steps(run)
+    return [Finding(
+        "unscaled_inputs", "warning",
+        f"the inputs (the batch's first tensor) have a root mean square of {_fmt(found[0])} per element (median "
+        f"over {found[1]} batches), where standardised features or pixels in [0, 1] have about 1 or less; the "
+        f"first layer's pre-activations and gradients are as large, and the run shows it ({', '.join(effects)}).",
+        _steps_list([st[0], st[-1]]),
+        hint="Standardise the inputs: subtract the train set's mean and divide by its standard deviation, per "
+             "feature (sklearn's StandardScaler; for images ToTensor, which divides 0-255 pixels by 255, and "
+             "Normalize). Lowering the learning rate only slows the damage.")]
+
+
 def check_class_imbalance(run: Run) -> list:
     """The train batches' label shares far from balanced, or far from the holdout's."""
     found = _train_shares(run)
@@ -2521,8 +2570,8 @@ def check_metric_errors(run: Run) -> list:
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_missing_gradients, check_not_in_optimizer, check_frozen_parameters,
           check_lr_zero, check_ignored_group_key, check_lora, check_frozen_groups, check_not_learning,
-          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_class_imbalance,
-          check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
+          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs,
+          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
           check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
           check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
           check_metric_errors)
@@ -2533,12 +2582,13 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 
 # ---- Root cause first -----------------------------------------------------------------------------------
 # The chain from cause to symptom, in stages: what is set up wrong (the gradients never read, parameters
-# that cannot train), then what the data does, then numerical blow-ups, then the state of the model's
-# units, then how the loss moves, and last how the holdout looks. A finding's stage decides its rank; a
-# finding that a higher-ranked one explains (CONSEQUENCES) is listed under it, not beside it.
+# that cannot train, inputs far off the scale a network expects), then what the data does, then numerical
+# blow-ups, then the state of the model's units, then how the loss moves, and last how the holdout looks. A
+# finding's stage decides its rank; a finding that a higher-ranked one explains (CONSEQUENCES) is listed
+# under it, not beside it.
 STAGES = (
     ("section_failed", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lora_not_learning", "lr_zero",
-     "ignored_group_key", "not_learning"),
+     "ignored_group_key", "unscaled_inputs", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2571,6 +2621,8 @@ FINDINGS = {
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),
     "padding_supervised": (("warning",), "analyzer", "a language model's padding positions have labels: the loss "
                            "trains it to predict padding"),
+    "unscaled_inputs": (("warning",), "analyzer", "the inputs are far larger than standardised ones (root mean "
+                        "square over 10), and the run blows up or its units die or saturate"),
     "class_imbalance": (("warning",), "analyzer", "the batches' label shares are far from even, or from the "
                         "holdout's"),
     "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights (the gradients of steps a "
@@ -2611,6 +2663,8 @@ CONSEQUENCES = {
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     "repeated_batches": ("class_imbalance", "loss_spike", "exploding_gradients") + STAGES[4],
     "unshuffled_batches": ("class_imbalance",) + BLOWUPS + STAGES[3] + STAGES[4],
+    # a model whose units died or that blew up neglects the rare classes as it neglects everything else
+    "unscaled_inputs": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike") + ("class_imbalance",),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model
     # learns the train shares
     "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting"),
@@ -2657,6 +2711,8 @@ def _explains(cause: Finding, f: Finding, tolerance: float = 0) -> bool:
         return "lora" in (f.group or "").lower()
     if cause.code == "lr_zero" and code == "not_learning":
         return cause.group is None
+    if cause.code == "unscaled_inputs" and code == "class_imbalance":
+        return f.explains_only == ()   # only its harm to the rare classes, not label shares the sampler made
     return not (cause.code in GROUP_SCOPED and code == "frozen_group" and f.group != cause.group)
 
 

@@ -8,6 +8,7 @@ start, the regression holdout), the test writes it into the real records itself,
 
 import csv
 import json
+import re
 import sys
 import warnings
 from datetime import datetime, timedelta
@@ -272,15 +273,15 @@ def test_regression_holdout_healthy_and_plotted(tmp_path, capsys):
 # ---- calibration: real sklearn runs whose first finding used to name the wrong cause ---------------
 
 def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, every=10, seed=0,
-                class_weights=False, init=None, reduction="mean", opt="adam"):
+                class_weights=False, init=None, reduction="mean", opt="adam", batch_norm=False):
     """An MLP (ReLU) trained with Adam (or SGD with momentum 0.9) on (x, y) with the real TrainingTelemetry;
     `holdout` = (x, y) given to set_holdout_data. Float targets `y` make it a regression (one output, MSE).
-    Returns the model."""
+    `batch_norm`: a BatchNorm1d on the inputs first. Returns the model."""
     regression = y.is_floating_point()
     from telemetry import TelemetryConfig, TrainingTelemetry
 
     torch.manual_seed(seed)
-    layers, d = [], x.shape[1]
+    layers, d = [nn.BatchNorm1d(x.shape[1])] if batch_norm else [], x.shape[1]
     for h in hidden:
         layers += [nn.Linear(d, h), nn.ReLU()]
         d = h
@@ -322,6 +323,43 @@ def standardized(loader, seed=0, fit=None):
     x, y = x[order].astype(np.float32), y[order]
     z = (x - x[:fit].mean(0)) / (x[:fit].std(0) + 1e-6)
     return torch.tensor(z), torch.tensor(y).long(), torch.tensor(x)
+
+
+def test_unscaled_inputs_are_named_before_what_they_do(tmp_path):
+    """Breast cancer's raw features (areas in the hundreds) straight into an MLP: with SGD its ReLUs die in the
+    first steps, with Adam its gradients blow up, and on the fresh examples both do far worse than the same
+    loops on standardised features. unscaled_inputs is the cause, with what it did under it, and its root
+    mean square is the train data's. Standardised, or with a BatchNorm first (which trains well on the raw
+    features), the inputs are not named."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y, raw = standardized(load_breast_cancer, fit=300)
+    fresh = slice(360, None)
+
+    def accuracy(model, inputs):
+        with torch.no_grad():
+            return (model.eval()(inputs[fresh]).argmax(1) == y[fresh]).float().mean().item()
+
+    for opt, lr, effect in (("sgd", 1e-2, "dead_units"), ("adam", 1e-3, "exploding_gradients")):
+        out = tmp_path / f"raw-{opt}"
+        model = sklearn_run(out, raw[:300], y[:300], (raw[300:360], y[300:360]), lr=lr, opt=opt, steps=400)
+        standard = sklearn_run(tmp_path / f"std-{opt}", x[:300], y[:300], (x[300:360], y[300:360]), lr=lr, opt=opt,
+                               steps=400)
+        assert accuracy(model, raw) < accuracy(standard, x) - 0.03, (accuracy(model, raw), accuracy(standard, x))
+        run = at.load_run(out, progress=False)
+        top = at.diagnose(run)
+        assert top[0].code == "unscaled_inputs", [f.code for f in top]
+        assert effect in [f.code for f in at.every_finding(top[0].consequences)]
+        shown = float(re.search(r"root mean square of ([0-9.]+)", top[0].message).group(1))
+        assert shown == pytest.approx(raw[:300].double().square().mean().sqrt().item(), rel=0.2)
+        _, found = codes(tmp_path / f"std-{opt}")
+        assert "unscaled_inputs" not in found, {c: f.message for c, f in found.items()}
+
+    model = sklearn_run(tmp_path / "raw-bn", raw[:300], y[:300], (raw[300:360], y[300:360]), lr=1e-3, steps=400,
+                        batch_norm=True)
+    assert accuracy(model, raw) > 0.93
+    _, found = codes(tmp_path / "raw-bn")
+    assert "unscaled_inputs" not in found, {c: f.message for c, f in found.items()}
 
 
 def test_a_holdout_loss_that_climbs_steadily_is_no_oscillation(tmp_path):
