@@ -40,6 +40,7 @@ PROBLEMS: Dict[str, tuple] = {
     "frozen": ({"frozen_parameters", "frozen_group"}, {"frozen_parameters"}),
     "lr_zero": ({"lr_zero", "frozen_group"}, {"lr_zero"}),
     "misaligned": ({"holdout_at_chance"}, {"holdout_at_chance"}),
+    "unscaled_inputs": ({"unscaled_inputs"}, {"unscaled_inputs"}),
     "overfitting": ({"overfitting"}, {"overfitting"}),
     "lr_too_high": ({"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"},
                     {"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"}),
@@ -95,7 +96,8 @@ def diabetes(**knobs) -> Dict[str, Any]:
 
 # The corpus: one line per run, each trained once per seed. lr is the base lr; groups="named" puts the
 # backbone at 1x and the head at 10x it, in optimizer groups named "backbone" and "head"; format is the
-# batch type ("tuple" by default, or "dict"); steps are optimizer steps.
+# batch type ("tuple" by default, or "dict"); steps are optimizer steps; raw keeps the features unscaled, and
+# input_norm puts a BatchNorm1d on the inputs first.
 SPECS: List[Spec] = [
     # problem  name                                     workload      knobs
     # -- healthy, clean data --------------------------------------------------------------------------------
@@ -106,6 +108,8 @@ SPECS: List[Spec] = [
     S("healthy", "logreg-digits-sgd",                   "classifier", **digits(arch="logreg", opt="sgd", lr=0.05)),
     S("healthy", "mlp-breast-cancer-adam-dict",         "classifier", **cancer(opt="adam", lr=1e-3)),
     S("healthy", "mlp-diabetes-regression-adam",        "classifier", **diabetes(opt="adam", lr=1e-3)),
+    S("healthy", "bn-mlp-breast-cancer-raw-adam-dict",  "classifier", **cancer(opt="adam", lr=1e-3, raw=True,
+                                                                                input_norm=True)),
     S("healthy", "gru-charlm-adamw-dict",               "char_lm",    lr=5e-3, batch=16, steps=150),
     S("healthy", "lora-llama-trainer",                  "lora",       lr=5e-3, batch=16, steps=120),
     # -- healthy but noisy: where false alarms come from ---------------------------------------------------
@@ -129,6 +133,9 @@ SPECS: List[Spec] = [
     S("overfitting", "mlp256-digits-30-examples",       "classifier", **digits(hidden=[256, 256], opt="adam",
                                                                                 lr=3e-3, batch=30, train_size=30,
                                                                                 steps=300)),
+    S("unscaled_inputs", "mlp-breast-cancer-raw-sgd-dict", "classifier", **cancer(opt="sgd", lr=0.01, raw=True)),
+    S("unscaled_inputs", "mlp-breast-cancer-raw-adam",  "classifier", **cancer(opt="adam", lr=1e-3, format="tuple",
+                                                                                raw=True)),
     S("lr_too_high", "mlp-digits-sgd-lr2",              "classifier", **digits(opt="sgd", lr=2.0)),
     S("lr_too_high", "mlp-diabetes-regression-sgd-lr0.5", "classifier", **diabetes(opt="sgd", lr=0.5)),
     S("nan_input", "mlp-breast-cancer-adam-dict",       "classifier", **cancer(opt="adam", lr=1e-3,

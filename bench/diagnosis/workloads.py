@@ -63,15 +63,16 @@ class Split:
     num_classes: int  # 0 for regression
 
 
-def load_split(name: str, seed: int) -> Split:
-    """Train / holdout / test, shuffled by the run's random seed; features standardised with train statistics."""
+def load_split(name: str, seed: int, raw: bool = False) -> Split:
+    """Train / holdout / test, shuffled by the run's random seed; features standardised with train statistics
+    unless `raw` (the unscaled-inputs plant: the features as the data set gives them)."""
     data, target = _sklearn(name)
     n_train, n_hold = SPLITS[name]
     order = np.random.RandomState(1000 + seed).permutation(len(data))
     parts = {"train": order[:n_train], "holdout": order[n_train:n_train + n_hold], "test": order[n_train + n_hold:]}
     if name == "digits":
         data = data / 16.0  # pixel intensities 0..16; kept non-negative (the dead-ReLU plant relies on it)
-    else:
+    elif not raw:
         mean, std = data[parts["train"]].mean(0), data[parts["train"]].std(0) + 1e-6
         data = (data - mean) / std
     regression = name == "diabetes"
@@ -92,9 +93,11 @@ def _act(name: str) -> nn.Module:
 
 
 class MLP(nn.Module):
-    def __init__(self, n_in: int, hidden: List[int], n_out: int, act: str = "relu", neck: int = 0):
+    def __init__(self, n_in: int, hidden: List[int], n_out: int, act: str = "relu", neck: int = 0,
+                 input_norm: bool = False):
         super().__init__()
-        layers, width = [], n_in
+        # `input_norm`: a BatchNorm1d on the inputs first, which makes raw features of any scale trainable
+        layers, width = [nn.BatchNorm1d(n_in)] if input_norm else [], n_in
         for h in hidden:
             layers += [nn.Linear(width, h), _act(act)]
             width = h
@@ -137,7 +140,8 @@ def build_model(spec: Dict[str, Any], n_in: int, n_out: int) -> nn.Module:
         return DigitsCNN(n_out)
     if arch == "logreg":
         return LogReg(n_in, n_out)
-    return MLP(n_in, spec.get("hidden", [128, 128]), n_out, spec.get("act", "relu"), spec.get("neck", 0))
+    return MLP(n_in, spec.get("hidden", [128, 128]), n_out, spec.get("act", "relu"), spec.get("neck", 0),
+               spec.get("input_norm", False))
 
 
 def make_optimizer(model: nn.Module, spec: Dict[str, Any]) -> torch.optim.Optimizer:
@@ -266,7 +270,7 @@ def init_plants(model: nn.Module, spec: Dict[str, Any]) -> None:
 def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)
-    data = load_split(spec["data"], seed)
+    data = load_split(spec["data"], seed, raw=spec.get("raw", False))
     regression = data.num_classes == 0
     k = data.num_classes
     x_train = data.x["train"]
@@ -499,6 +503,16 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"neck grad x{growth:.0f}",
                        f"neck weights bit-identical to the start: {same}; its accumulated gradient norm grew "
                        f"{growth:.0f}x from the first step (needs >= 10x)")
+    if plant == "unscaled_inputs":  # far off scale, and far below what the same data standardised allows
+        x_train = ctx["x_train"]
+        rms = float(x_train.double().square().mean().sqrt())
+        mean, std = x_train.mean(0), x_train.std(0) + 1e-6
+        scaled = Split({k: (v - mean) / std for k, v in ctx["data"].x.items()}, ctx["data"].y, ctx["data"].num_classes)
+        ref = reference_score(scaled, ctx["y_train"], (x_train - mean) / std)
+        ok = rms >= 10 and acc <= ref - 0.03
+        return Verdict(ok, f"rms {rms:.0f}, test acc {acc:.3f}",
+                       f"train inputs' root mean square {rms:.1f} (needs >= 10); test acc {acc:.3f} vs {ref:.3f} for "
+                       f"a linear model on the same features standardised (needs <= {ref - 0.03:.3f})")
     if plant == "dead_relu":
         share = dead_share(model, ctx["data"].x["test"])
         return Verdict(share >= 0.8, f"dead {share:.0%}",
