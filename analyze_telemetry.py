@@ -2159,9 +2159,12 @@ def _rare_classes_neglected(h: Holdout, labels: list, shares: np.ndarray):
         return None
     right = h.correct[:, -max(3, h.correct.shape[1] // 4):].astype(float).mean(axis=1)
     r_rare, r_common = float(right[is_rare].mean()), float(right[~is_rare].mean())
-    # Two binomial sigmas of the rare classes' recall (the fewer examples) at the two recalls' mean, and 10
-    # points: class weights or a balanced sampler bring the rare classes' recall up to the others'.
-    margin = max(0.1, 2 * _sigma((r_rare + r_common) / 2, int(is_rare.sum())))
+    # Three sigmas of the difference of two recalls (both sides are samples: a few hard examples among a
+    # small holdout's rare ones lower its rare recall while fresh data's stays level), and 10 points: class
+    # weights or a balanced sampler bring the rare classes' recall up to the others'.
+    n_rare, n_common = int(is_rare.sum()), int((~is_rare).sum())
+    pooled = float(right.mean())
+    margin = max(0.1, 3 * math.sqrt(max(pooled * (1 - pooled), 1e-6) * (1 / n_rare + 1 / n_common)))
     return (r_common - r_rare > margin,
             f"the holdout's {int(is_rare.sum())} examples of the rarer classes are {r_rare:.0%} right, those of the "
             f"others {r_common:.0%}")

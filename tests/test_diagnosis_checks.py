@@ -333,8 +333,9 @@ def test_nonfinite_names_the_loss_first(tmp_path, digits):
 def test_an_imbalance_the_holdout_shares_explains_nothing_about_the_holdout(tmp_path, digits):
     """Classes 5-9 at a quarter of their share in train batches and in the holdout alike: the imbalance is
     real, but a holdout at chance (its labels shuffled) and its rising loss are not its doing, so they stand
-    as their own root. Train batches of classes 0-2 against a holdout of all ten: the holdout's rising
-    loss is the imbalance's."""
+    as their own root; and the rare classes' recall on shuffled labels (0% of 18 against 15% of 82, 1.7
+    sigmas apart) is no evidence of harm, so no class_imbalance is told. Train batches of classes 0-2
+    against a holdout of all ten: the holdout's rising loss is the imbalance's."""
     x, y = digits
     keep = (y < 5).numpy() | (np.random.RandomState(3).rand(len(y)) < 0.25)
     pool = np.flatnonzero(keep[:600])
@@ -344,8 +345,7 @@ def test_an_imbalance_the_holdout_shares_explains_nothing_about_the_holdout(tmp_
                  holdout=(x[rest], shuffled))
     _, found = diagnosis(path)
     top = {f.code: f for f in found}
-    assert top["class_imbalance"].severity == "warning" and not top["class_imbalance"].consequences
-    assert "of the holdout" not in top["class_imbalance"].message
+    assert "class_imbalance" not in everything(found)
     assert top["holdout_at_chance"].severity == "critical"
     assert "overfitting" in {c.code for c in top["holdout_at_chance"].consequences}
     json_finding = at.findings_json([(at.load_run(path, progress=False), found, {})])["findings"][0]
