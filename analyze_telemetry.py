@@ -2221,6 +2221,11 @@ def _input_rms(run: Run):
     return (float(np.median(rms)), len(rms)) if len(rms) >= 3 else None
 
 
+def _troubles(run: Run, checks: tuple) -> list:
+    """The codes of the findings these checks give the run, sorted."""
+    return sorted({f.code for check in checks for f in check(run)})
+
+
 def check_unscaled_inputs(run: Run) -> list:
     """Inputs far larger than standardised ones, in a run that blows up or whose units die or saturate: the
     scale is the cause to fix first. A run that trains well on such inputs (a normalisation layer first) is
@@ -2228,9 +2233,8 @@ def check_unscaled_inputs(run: Run) -> list:
     found = _input_rms(run)
     if found is None or found[0] <= UNSCALED_RMS:
         return []
-    effects = sorted({f.code for check in (check_nonfinite, check_loss_diverging, check_exploding_gradients,
-                                            check_loss_oscillating, check_dead_units, check_saturated_units)
-                      for f in check(run)})
+    effects = _troubles(run, (check_nonfinite, check_loss_diverging, check_exploding_gradients, check_loss_oscillating,
+                              check_dead_units, check_saturated_units))
     untrained = _chance_losses(run)[0]
     first = _edge_median(column(run, "loss"), "first", 0.1)
     if untrained and first > UNSCALED_START * untrained:   # logits as large as the inputs, from the first step
@@ -2248,6 +2252,33 @@ def check_unscaled_inputs(run: Run) -> list:
         hint="Standardise the inputs: subtract the train set's mean and divide by its standard deviation, per "
              "feature (sklearn's StandardScaler; for images ToTensor, which divides 0-255 pixels by 255, and "
              "Normalize). Lowering the learning rate only slows the damage.")]
+
+
+def check_unscaled_targets(run: Run) -> list:
+    """A regression's targets far from standardised ones (the holdout's, which telemetry records), in a run
+    that blows up, stalls or ends no better than predicting their mean: a network's outputs start near 0, so
+    the squared error's gradients are as large as the targets, and an adaptive optimizer's steps of about the
+    learning rate take thousands of steps to reach them. A run that fits them anyway is left alone."""
+    h = holdout_data(run)
+    if not h or h.kind != "regression" or not h.raw:
+        return []
+    targets = _finite(np.array([_num(v) for v in (h.raw[-1].get("targets") or [])]))
+    rms = float(np.sqrt(np.mean(targets ** 2))) if len(targets) >= 5 else 0.0
+    if rms <= UNSCALED_RMS:
+        return []
+    effects = _troubles(run, (check_nonfinite, check_loss_diverging, check_exploding_gradients, check_loss_oscillating,
+                              check_dead_units, check_loss_stalled, check_holdout_at_chance))
+    if not effects:
+        return []
+    st = steps(run)
+    return [Finding(
+        "unscaled_targets", "warning",
+        f"the regression targets have a root mean square of {_fmt(rms)} (mean {_fmt(float(np.mean(targets)))}, "
+        f"standard deviation {_fmt(float(np.std(targets)))}, over the holdout's {len(targets)}), where standardised "
+        f"ones have 1, and the run shows it ({', '.join(effects)}).", _steps_list([st[0], st[-1]]),
+        hint="Standardise the targets: train on (y - mean) / std of the train targets and map the predictions back "
+             "(prediction * std + mean); or start the output layer's bias at their mean. Lowering the learning "
+             "rate only slows the damage.")]
 
 
 def check_class_imbalance(run: Run) -> list:
@@ -2574,10 +2605,10 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_missing_gradients, check_not_in_optimizer, check_frozen_parameters,
           check_lr_zero, check_ignored_group_key, check_lora, check_frozen_groups, check_not_learning,
           check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs,
-          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
-          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
-          check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
-          check_metric_errors)
+          check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
+          check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
+          check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting,
+          check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2591,7 +2622,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # under it, not beside it.
 STAGES = (
     ("section_failed", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lora_not_learning", "lr_zero",
-     "ignored_group_key", "unscaled_inputs", "not_learning"),
+     "ignored_group_key", "unscaled_inputs", "unscaled_targets", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2626,6 +2657,8 @@ FINDINGS = {
                            "trains it to predict padding"),
     "unscaled_inputs": (("warning",), "analyzer", "the inputs are far larger than standardised ones (root mean "
                         "square over 10), and the run blows up or its units die or saturate"),
+    "unscaled_targets": (("warning",), "analyzer", "a regression's targets are far from standardised ones (root "
+                         "mean square over 10), and the run blows up, stalls or ends no better than their mean"),
     "class_imbalance": (("warning",), "analyzer", "the batches' label shares are far from even, or from the "
                         "holdout's"),
     "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights (the gradients of steps a "
@@ -2668,6 +2701,7 @@ CONSEQUENCES = {
     "unshuffled_batches": ("class_imbalance",) + BLOWUPS + STAGES[3] + STAGES[4],
     # a model whose units died or that blew up neglects the rare classes as it neglects everything else
     "unscaled_inputs": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike") + ("class_imbalance",),
+    "unscaled_targets": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike"),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model
     # learns the train shares
     "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting"),

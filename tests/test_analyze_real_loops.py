@@ -435,6 +435,43 @@ def test_imbalanced_data_handled_with_class_weights_is_quiet(tmp_path):
     assert found["holdout_at_chance"] not in at.every_finding(found["class_imbalance"].consequences)
 
 
+def test_unscaled_regression_targets_are_named_before_what_they_do(tmp_path):
+    """Diabetes with its raw targets (disease progression, 25-346): with Adam at 1e-3 the output needs
+    thousands of steps to reach them and the fresh examples' R^2 ends below 0, against 0.5 with the targets
+    standardised; with SGD the squared error's gradients blow the run up to NaN. unscaled_targets is the
+    cause, with what it did under it, and its root mean square is the holdout targets'. Standardised targets,
+    and raw ones that Adam at 1e-2 fits (R^2 0.4 and more), get no unscaled_targets."""
+    from sklearn.datasets import load_diabetes
+
+    x, _, _ = standardized(load_diabetes, fit=250)
+    raw = torch.tensor(load_diabetes().target[np.random.RandomState(0).permutation(442)], dtype=torch.float32)
+    scaled = (raw - raw[:250].mean()) / raw[:250].std()
+
+    def r2(model, t):
+        with torch.no_grad():
+            p = model(x[300:])[:, 0]
+        return 1 - float(((p - t[300:]) ** 2).mean() / ((t[300:] - t[300:].mean()) ** 2).mean())
+
+    for name, t, opt, lr in (("adam", raw, "adam", 1e-3), ("sgd", raw, "sgd", 1e-3), ("scaled", scaled, "adam", 1e-3),
+                             ("fits", raw, "adam", 1e-2)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the SGD run's NaN alert
+            model = sklearn_run(tmp_path / name, x[:250], t[:250], (x[250:300], t[250:300]), lr=lr, opt=opt,
+                                steps=400)
+        _, found = codes(tmp_path / name)
+        if name in ("scaled", "fits"):
+            assert r2(model, t) > 0.4
+            assert "unscaled_targets" not in found, found["unscaled_targets"].message
+            continue
+        assert not r2(model, t) > 0   # below 0, or NaN
+        top = at.diagnose(at.load_run(tmp_path / name, progress=False))
+        assert top[0].code == "unscaled_targets", [f.code for f in top]
+        effect = "holdout_at_chance" if name == "adam" else "nonfinite"
+        assert effect in [f.code for f in at.every_finding(top[0].consequences)]
+        shown = float(re.search(r"root mean square of ([0-9.]+)", top[0].message).group(1))
+        assert shown == pytest.approx(raw[250:300].double().square().mean().sqrt().item(), rel=1e-3)
+
+
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
     """Breast cancer (37/63, holdout alike) under a BatchNorm-first MLP, batches drawn with replacement: the
     holdout's 18 examples of the rarer class are 79% right against 97% for the others, a gap of 2.1 sigmas
