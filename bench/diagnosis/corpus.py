@@ -41,6 +41,7 @@ PROBLEMS: Dict[str, tuple] = {
     "lr_zero": ({"lr_zero", "frozen_group"}, {"lr_zero"}),
     "misaligned": ({"holdout_at_chance"}, {"holdout_at_chance"}),
     "unscaled_inputs": ({"unscaled_inputs"}, {"unscaled_inputs"}),
+    "unscaled_targets": ({"unscaled_targets"}, {"unscaled_targets"}),
     "overfitting": ({"overfitting"}, {"overfitting"}),
     "lr_too_high": ({"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"},
                     {"exploding_gradients", "loss_diverging", "nonfinite", "loss_oscillating"}),
@@ -96,8 +97,8 @@ def diabetes(**knobs) -> Dict[str, Any]:
 
 # The corpus: one line per run, each trained once per seed. lr is the base lr; groups="named" puts the
 # backbone at 1x and the head at 10x it, in optimizer groups named "backbone" and "head"; format is the
-# batch type ("tuple" by default, or "dict"); steps are optimizer steps; raw keeps the features unscaled, and
-# input_norm puts a BatchNorm1d on the inputs first.
+# batch type ("tuple" by default, or "dict"); steps are optimizer steps; raw keeps the features unscaled,
+# raw_target a regression's target, and input_norm puts a BatchNorm1d on the inputs first.
 SPECS: List[Spec] = [
     # problem  name                                     workload      knobs
     # -- healthy, clean data --------------------------------------------------------------------------------
@@ -136,6 +137,10 @@ SPECS: List[Spec] = [
     S("unscaled_inputs", "mlp-breast-cancer-raw-sgd-dict", "classifier", **cancer(opt="sgd", lr=0.01, raw=True)),
     S("unscaled_inputs", "mlp-breast-cancer-raw-adam",  "classifier", **cancer(opt="adam", lr=1e-3, format="tuple",
                                                                                 raw=True)),
+    S("unscaled_targets", "mlp-diabetes-raw-target-adam", "classifier", **diabetes(opt="adam", lr=1e-3,
+                                                                                raw_target=True)),
+    S("unscaled_targets", "mlp-diabetes-raw-target-sgd", "classifier", **diabetes(opt="sgd", lr=1e-3,
+                                                                               raw_target=True)),
     S("lr_too_high", "mlp-digits-sgd-lr2",              "classifier", **digits(opt="sgd", lr=2.0)),
     S("lr_too_high", "mlp-diabetes-regression-sgd-lr0.5", "classifier", **diabetes(opt="sgd", lr=0.5)),
     S("nan_input", "mlp-breast-cancer-adam-dict",       "classifier", **cancer(opt="adam", lr=1e-3,

@@ -63,9 +63,9 @@ class Split:
     num_classes: int  # 0 for regression
 
 
-def load_split(name: str, seed: int, raw: bool = False) -> Split:
-    """Train / holdout / test, shuffled by the run's random seed; features standardised with train statistics
-    unless `raw` (the unscaled-inputs plant: the features as the data set gives them)."""
+def load_split(name: str, seed: int, raw: bool = False, raw_target: bool = False) -> Split:
+    """Train / holdout / test, shuffled by the run's random seed; features (and a regression's target)
+    standardised with train statistics unless `raw` (`raw_target`): the unscaled-inputs (-targets) plants."""
     data, target = _sklearn(name)
     n_train, n_hold = SPLITS[name]
     order = np.random.RandomState(1000 + seed).permutation(len(data))
@@ -76,7 +76,7 @@ def load_split(name: str, seed: int, raw: bool = False) -> Split:
         mean, std = data[parts["train"]].mean(0), data[parts["train"]].std(0) + 1e-6
         data = (data - mean) / std
     regression = name == "diabetes"
-    if regression:  # target standardised with train statistics too
+    if regression and not raw_target:  # target standardised with train statistics too
         tm, ts = target[parts["train"]].mean(), target[parts["train"]].std()
         target = ((target - tm) / ts).astype(np.float32)
     x = {k: torch.tensor(data[v], dtype=torch.float32) for k, v in parts.items()}
@@ -270,7 +270,7 @@ def init_plants(model: nn.Module, spec: Dict[str, Any]) -> None:
 def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)
-    data = load_split(spec["data"], seed, raw=spec.get("raw", False))
+    data = load_split(spec["data"], seed, raw=spec.get("raw", False), raw_target=spec.get("raw_target", False))
     regression = data.num_classes == 0
     k = data.num_classes
     x_train = data.x["train"]
@@ -513,6 +513,13 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"rms {rms:.0f}, test acc {acc:.3f}",
                        f"train inputs' root mean square {rms:.1f} (needs >= 10); test acc {acc:.3f} vs {ref:.3f} for "
                        f"a linear model on the same features standardised (needs <= {ref - 0.03:.3f})")
+    if plant == "unscaled_targets":  # far off scale, and far below what a linear model reaches (R^2 ignores scale)
+        rms = float(ctx["y_train"].double().square().mean().sqrt())
+        ref = reference_score(ctx["data"], ctx["y_train"], ctx["x_train"])
+        ok = rms >= 10 and not acc > ref - 0.1
+        return Verdict(ok, f"rms {rms:.0f}, test R2 {acc:.3f}",
+                       f"train targets' root mean square {rms:.1f} (needs >= 10); test R^2 {acc:.3f} vs {ref:.3f} for "
+                       f"ridge regression (needs <= {ref - 0.1:.3f}, or not a number)")
     if plant == "dead_relu":
         share = dead_share(model, ctx["data"].x["test"])
         return Verdict(share >= 0.8, f"dead {share:.0%}",
