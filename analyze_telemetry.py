@@ -2656,7 +2656,8 @@ FINDINGS = {
     "padding_supervised": (("warning",), "analyzer", "a language model's padding positions have labels: the loss "
                            "trains it to predict padding"),
     "unscaled_inputs": (("warning",), "analyzer", "the inputs are far larger than standardised ones (root mean "
-                        "square over 10), and the run blows up or its units die or saturate"),
+                        "square over 10), and the run blows up, its units die or saturate, or its first losses are "
+                        "many times an untrained model's"),
     "unscaled_targets": (("warning",), "analyzer", "a regression's targets are far from standardised ones (root "
                          "mean square over 10), and the run blows up, stalls or ends no better than their mean"),
     "class_imbalance": (("warning",), "analyzer", "the batches' label shares are far from even, or from the "
