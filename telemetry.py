@@ -1956,9 +1956,13 @@ class _ChangePass:
     limits: Optional[tuple] = None  # (thresholds, rel_thresholds) as float32 tensors, for the kernels
     put: Optional[Callable] = None  # put(i, start, values): each chunk of the weights once it is summed
 
-    def zeros(self) -> Dict[str, List[torch.Tensor]]:
+    def zeros(self, only: Optional[List[int]] = None) -> Dict[str, List[torch.Tensor]]:
+        """Accumulators per tensor (for the tensors `only` names, None for the others)."""
+        wanted = set(range(len(self.flats)) if only is None else only)
+
         def each(dtype, *shape):
-            return [torch.zeros(shape, dtype=dtype, device=w.device) for w in self.flats]
+            return [torch.zeros(shape, dtype=dtype, device=w.device) if i in wanted else None
+                    for i, w in enumerate(self.flats)]
         keys = (["weight_sq"] + (["delta_sq"] if self.refs is not None else [])
                 + (["drift_sq"] if self.inits is not None else []))
         acc = {k: each(self.wide) for k in keys}
@@ -2030,7 +2034,7 @@ class _ChangePass:
         whole model are materialised, one at a time, which is why this is for small models only."""
         device = self.flats[0].device
         ws = _floats_on(self.flats, device)
-        groups, rest = _same_shape_groups(ws) if not self.detail else ([], [])
+        groups, rest = _same_shape_groups(ws)
         if groups:  # many small CPU tensors of a few shapes (LoRA's): a stack per shape, the rest list-wide
             return self._by_shape(ws, groups, rest)
         out = {"weight_sq": _squared_norms(ws)}
@@ -2039,11 +2043,7 @@ class _ChangePass:
             d = torch._foreach_sub(ws, rs)
             out["delta_sq"] = _squared_norms(d)
             if self.detail:
-                acc, scratch = self.zeros(), _Scratch()
-                for i in range(len(ws)):
-                    if ws[i].numel():   # an empty shard adds nothing (and has no max)
-                        self._details(acc, i, ws[i], rs[i], d[i], scratch)
-                out.update({k: torch.stack([v.to(device) for v in acc[k]]) for k in _DETAIL_KEYS})
+                out.update(self._details_of(ws, rs, [], list(range(len(ws))), d))
             del d, rs
         if self.inits is not None:
             out["drift_sq"] = _squared_norms(torch._foreach_sub(ws, _floats_on([r.view(-1) for r in self.inits],
@@ -2066,6 +2066,43 @@ class _ChangePass:
                     others = torch._foreach_sub(others, _floats_on([files[i].view(-1) for i in rest], ws[0].device))
                 sq[rest] = _squared_norms(others)
             out[key] = sq
+        if self.detail:
+            out.update(self._details_of(ws, _floats_on([r.view(-1) for r in self.refs], ws[0].device), groups, rest))
+        return out
+
+    def _details_of(self, ws: List[torch.Tensor], rs: List[torch.Tensor], groups: List[List[int]],
+                    rest: List[int], diffs: Optional[List[torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+        """What _details counts, as vectors over the tensors: for each group of small CPU tensors of one shape
+        from one stack of the weights and one of their references, for the rest tensor by tensor (with their
+        differences `diffs`, where the caller has them)."""
+        n, wide, device = len(ws), self.wide, ws[0].device
+        out = {k: torch.zeros(n, dtype=wide, device=device) for k in ("sum", "l1", "max_abs")}
+        out.update(flips=torch.zeros(n, dtype=torch.int64, device=device),
+                   below=torch.zeros(n, len(self.thresholds), dtype=torch.int64, device=device),
+                   below_rel=torch.zeros(n, len(self.rel_thresholds), dtype=torch.int64, device=device))
+        for members in groups:
+            w = torch.stack([ws[i] for i in members]).reshape(len(members), -1)
+            if not w.shape[1]:
+                continue   # empty tensors add nothing (and have no max)
+            r = torch.stack([rs[i] for i in members]).reshape(len(members), -1)
+            d = w - r
+            a = d.abs()
+            out["sum"][members], out["l1"][members] = d.sum(1, dtype=wide), a.sum(1, dtype=wide)
+            out["max_abs"][members] = a.amax(1).to(wide)
+            out["flips"][members] = (w.sign() * r.sign() < 0).sum(1)
+            # #(|d| <= t) as the count of the others, as _details has it
+            for k, t in enumerate(self.thresholds):
+                out["below"][members, k] = w.shape[1] - (a > t).sum(1)
+            ra = r.abs()
+            for k, t in enumerate(self.rel_thresholds):
+                out["below_rel"][members, k] = w.shape[1] - (a > ra * t).sum(1)
+        if rest:
+            acc, scratch = self.zeros(rest), _Scratch()
+            for i in rest:
+                if ws[i].numel():   # an empty shard adds nothing (and has no max)
+                    self._details(acc, i, ws[i], rs[i], ws[i] - rs[i] if diffs is None else diffs[i], scratch)
+            for key in _DETAIL_KEYS:
+                out[key][rest] = torch.stack([acc[key][i].to(device) for i in rest])
         return out
 
     def combine(self, accs: List[Dict[str, List[torch.Tensor]]], device: torch.device) -> Dict[str, torch.Tensor]:

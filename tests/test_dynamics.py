@@ -294,10 +294,10 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self):
+    def __init__(self, blocks=2):
         super().__init__()
         self.in_proj = nn.Linear(4, 8)
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = nn.ModuleList([Block() for _ in range(blocks)])
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
@@ -307,9 +307,12 @@ class TinyTransformer(nn.Module):
         return self.head(h.mean(1))
 
 
-def test_param_change_statistics_match_numpy(tmp_path, pass_threads):
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_param_change_statistics_match_numpy(tmp_path, pass_threads, blocks):
+    """Four blocks hold 16 attention weights of one shape and 16 biases of another: each is measured as one
+    stack (telemetry.MIN_STACKED), the rest tensor by tensor."""
     torch.manual_seed(0)
-    model = TinyTransformer()
+    model = TinyTransformer(blocks)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     thresholds, rel = [1e-8, 1e-4, 1e-3], [1e-3, 1e-1]
     tel = TrainingTelemetry(config(tmp_path, track_param_change=True, param_change_thresholds=thresholds,
@@ -360,7 +363,7 @@ def test_param_change_statistics_match_numpy(tmp_path, pass_threads):
             assert pc[key][row]["l2"] == pytest.approx(np.sqrt(np.sum(v ** 2)), rel=1e-5)
             assert pc[key][row]["mean_abs"] == pytest.approx(np.mean(np.abs(v)), rel=1e-5)
             assert pc[key][row]["sparsity"]["1e-08"] == pytest.approx(np.mean(np.abs(v) <= 1e-8), abs=1e-12)
-    assert set(pc["per_layer"]) == {"in_proj", "layers.0", "layers.1", "head"}
+    assert set(pc["per_layer"]) == {"in_proj", "head"} | {f"layers.{i}" for i in range(blocks)}
     assert set(pc["per_component"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
 
 
