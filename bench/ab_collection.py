@@ -1,12 +1,13 @@
 """This telemetry.py against the one in a git revision, collecting on the same model in one process.
 
     python bench/ab_collection.py --baseline REV [--workload cnn|mlp|lora256|lora_deep] [--pairs 400]
+                                  [--param-change]
 
 lora_deep: the LoRA workload's Llama at 32 layers of width 64 with rank-8 adapters on all seven projections
 (see compare.build_lora).
 
-Both versions are loaded as modules, each with a TrainingTelemetry (the default config, no holdout) writing
-to a directory of its own. Every round trains one step and collects with one version, then another step and
+Both versions are loaded as modules, each with a TrainingTelemetry (the default config, no holdout; with
+--param-change, track_param_change on, whose counts the weight pass adds) writing to a directory of its own. Every round trains one step and collects with one version, then another step and
 the other version, the order swapped each round, so that both see the same machine state; the hook is timed
 alone. Prints each version's median collection and the median over rounds of the per-round ratio
 this / REV, the figure that the machine's drift between rounds cancels out of. Each version's fused kernels
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workload", choices=("cnn", "mlp", "lora256", "lora_deep"), default="cnn")
     parser.add_argument("--pairs", type=int, default=400)
     parser.add_argument("--compile-timeout", type=float, default=600.0)
+    parser.add_argument("--param-change", action="store_true", help="track_param_change on in both versions")
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
         model = wl.model
         opt = wl.opt = wl.opt_factory(model.parameters())
         runs = {name: module.TrainingTelemetry(module.TelemetryConfig(
-            output_dir=os.path.join(tmp, name.replace("/", "_")), collect_every_n=1, track_holdout_logits=False))
+            output_dir=os.path.join(tmp, name.replace("/", "_")), collect_every_n=1, track_holdout_logits=False,
+            track_param_change=args.param_change))
             for name, module in versions.items()}
         k = [0]
 
@@ -89,7 +92,8 @@ def main(argv=None) -> int:
         for run in runs.values():
             getattr(run, "close", lambda: None)()
     params = sum(p.numel() for p in model.parameters())
-    print(f"{args.workload}: {params / 1e6:.2f}M parameters; torch {torch.__version__}; {args.pairs} rounds")
+    print(f"{args.workload}: {params / 1e6:.2f}M parameters; torch {torch.__version__}; {args.pairs} rounds"
+          + ("; track_param_change on" if args.param_change else ""))
     for name, values in times.items():
         print(f"  {name}: median {statistics.median(values) * 1e3:.2f} ms per collection "
               f"(min {min(values) * 1e3:.2f}, mean {statistics.mean(values) * 1e3:.2f})")
