@@ -1036,6 +1036,54 @@ def check_ignored_group_key(run: Run) -> list:
     return findings
 
 
+def _probability_outputs(h: Holdout):
+    """The number of classes when the model's outputs are probabilities: every holdout row of the last three
+    evaluations with outputs lies in [0, 1] and sums to 1 (a final softmax); None otherwise."""
+    if h is None or h.kind != "classification":
+        return None
+    seen = []
+    for ev in reversed(h.raw):
+        z = holdout_logits_of(ev)
+        if z is None:
+            continue
+        try:
+            z = np.array(z, dtype=float)
+        except (ValueError, TypeError, OverflowError):
+            return None
+        if z.ndim != 2 or z.shape[1] < 2 or not len(z) or not np.isfinite(z).all() or z.min() < 0 or z.max() > 1 \
+                or np.abs(z.sum(axis=1) - 1).max() > 1e-3:
+            return None
+        seen.append(z.shape[1])
+        if len(seen) == 3:
+            return seen[0] if len(set(seen)) == 1 else None
+    return None
+
+
+def check_probability_outputs(run: Run) -> list:
+    """A model that ends in a softmax, trained with a loss that applies its own (CrossEntropyLoss): on
+    probabilities of K classes that loss cannot go below log(1 + (K - 1) / e), the value of a one-hot output,
+    so every batch's loss stays at or above it, and a model that has learned sits just above it with its
+    gradients squashed. A loss that takes the log of the probabilities itself (NLLLoss) falls below it."""
+    k = _probability_outputs(holdout_data(run))
+    loss = _finite(column(run, "loss"))
+    if k is None or len(loss) < 5:
+        return []
+    floor = math.log1p((k - 1) / math.e)
+    late = _edge_median(loss, "last")
+    if loss.min() < floor * (1 - 1e-4) or late > 1.1 * floor:
+        return []
+    st = steps(run)
+    return [Finding(
+        "probability_outputs", "warning",
+        f"the model's outputs are probabilities (every holdout row of the last three evaluations lies in [0, 1] and "
+        f"sums to 1), and the train loss never went below {_fmt(floor)}, the least CrossEntropyLoss gives on "
+        f"probabilities of {k} classes (a one-hot output), ending at {_fmt(late)}: the loss applies a softmax to "
+        "outputs that already had one, which caps it there and squashes the gradients.", _steps_list([st[0], st[-1]]),
+        hint="Drop the final Softmax and give CrossEntropyLoss the logits (it applies log-softmax itself); or keep "
+             "probabilities for inference and train on LogSoftmax outputs with NLLLoss. The holdout's loss in these "
+             "records takes the outputs as logits too.")]
+
+
 def _standing_still(run: Run, g: str):
     """([evidence], [first steps]) that group g does not move while the other groups do: its gradient 0 or
     absent, or its weight delta 0, in >= 80% of the collections after the first."""
@@ -2604,12 +2652,12 @@ def check_metric_errors(run: Run) -> list:
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_missing_gradients, check_not_in_optimizer, check_frozen_parameters,
-          check_lr_zero, check_ignored_group_key, check_lora, check_frozen_groups, check_not_learning,
-          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs,
-          check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
-          check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
-          check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting,
-          check_telemetry_alerts, check_metric_errors)
+          check_lr_zero, check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups,
+          check_not_learning, check_repeated_batches, check_unshuffled_batches, check_padding_supervised,
+          check_unscaled_inputs, check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging,
+          check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
+          check_saturated_units, check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance,
+          check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2623,7 +2671,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # under it, not beside it.
 STAGES = (
     ("section_failed", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lora_not_learning", "lr_zero",
-     "ignored_group_key", "unscaled_inputs", "unscaled_targets", "not_learning"),
+     "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2651,6 +2699,9 @@ FINDINGS = {
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
+    "probability_outputs": (("warning",), "analyzer", "the model's outputs are probabilities, and the train loss "
+                            "stays at the floor CrossEntropyLoss has on them: a softmax before a loss that applies "
+                            "its own"),
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),
@@ -2704,6 +2755,8 @@ CONSEQUENCES = {
     # a model whose units died or that blew up neglects the rare classes as it neglects everything else
     "unscaled_inputs": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike") + ("class_imbalance",),
     "unscaled_targets": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike"),
+    # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly
+    "probability_outputs": ("loss_stalled", "not_learning", "vanishing_gradients"),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model
     # learns the train shares
     "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting"),

@@ -8,6 +8,7 @@ start, the regression holdout), the test writes it into the real records itself,
 
 import csv
 import json
+import math
 import re
 import sys
 import warnings
@@ -315,6 +316,25 @@ def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, 
     return model
 
 
+def sampled_run(out, model, x, y, holdout, steps, batch, loss_fn=F.cross_entropy, lr=1e-3):
+    """Adam on batches of `batch` drawn with replacement from (x, y), collecting every 8 steps with the real
+    TrainingTelemetry; `holdout` = (x, y) given to set_holdout_data."""
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=8))
+    tel.set_holdout_data(holdout)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        idx = torch.randint(0, len(y), (batch,), generator=gen)
+        loss = loss_fn(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+
+
 def standardized(loader, seed=0, fit=None):
     """(x, y, raw x) of a bundled sklearn data set, shuffled, features standardised with the statistics of
     the first `fit` examples (the train split; default all)."""
@@ -487,29 +507,51 @@ def test_unscaled_regression_targets_are_named_before_what_they_do(tmp_path):
         assert shown == pytest.approx(raw[250:300].double().square().mean().sqrt().item(), rel=1e-3)
 
 
+def test_a_softmax_before_cross_entropy_is_named(tmp_path):
+    """The digits MLP ending in nn.Softmax, trained with CrossEntropyLoss: on probabilities of 10 classes
+    that loss cannot go below log(1 + 9/e) = 1.46, so it stalls just above, while the same model without
+    the softmax goes well below it on fresh examples. probability_outputs names it. The same softmax trained
+    with NLLLoss on its log, and the plain logits with CrossEntropyLoss, get nothing of the kind."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    floor = math.log(1 + 9 / math.e)
+    losses = {"softmax+ce": lambda out, t: F.cross_entropy(out, t),
+              "softmax+nll": lambda out, t: F.nll_loss(out.clamp_min(1e-12).log(), t),
+              "logits+ce": lambda out, t: F.cross_entropy(out, t)}
+    fresh = {}
+    for name, loss_fn in losses.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10),
+                              *([nn.Softmax(-1)] if name.startswith("softmax") else []))
+        sampled_run(tmp_path / name, model, x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), 600, 32, loss_fn)
+        with torch.no_grad():
+            out = model(x[1100:])
+            fresh[name] = F.cross_entropy(out if name == "logits+ce" else out.clamp_min(1e-12).log(), y[1100:]).item()
+            if name == "softmax+ce":   # what the loss it trained on reads on fresh examples: at the floor
+                assert floor <= F.cross_entropy(out, y[1100:]).item() < 1.1 * floor
+        _, found = codes(tmp_path / name)
+        if name == "softmax+ce":
+            f = found["probability_outputs"]
+            assert f"never went below {floor:.3g}" in f.message and "of 10 classes" in f.message
+        else:
+            assert "probability_outputs" not in found, found["probability_outputs"].message
+    # the probabilities' own log-loss on fresh examples is far below the floor: the cap is the loss's, not the task's
+    assert fresh["logits+ce"] < 0.5 * floor and fresh["softmax+nll"] < 0.5 * floor
+
+
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
     """Breast cancer (37/63, holdout alike) under a BatchNorm-first MLP, batches drawn with replacement: the
     holdout's 18 examples of the rarer class are 79% right against 97% for the others, a gap of 2.1 sigmas
     of the difference of two recalls, while the 209 fresh examples are recalled alike (99%). The rarer
     class is not neglected: no class_imbalance."""
     from sklearn.datasets import load_breast_cancer
-    from telemetry import TelemetryConfig, TrainingTelemetry
 
     _, y, raw = standardized(load_breast_cancer)
     torch.manual_seed(0)
     model = nn.Sequential(nn.BatchNorm1d(30), nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=8))
-    tel.set_holdout_data((raw[300:360], y[300:360]))
-    gen = torch.Generator().manual_seed(0)
-    for step in range(400):
-        idx = torch.randint(0, 300, (16,), generator=gen)
-        loss = F.cross_entropy(model(raw[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        tel.on_batch_end(model, opt, step, 0, batch=(raw[idx], y[idx]), loss=loss)
-    tel.close()
+    sampled_run(tmp_path, model, raw[:300], y[:300], (raw[300:360], y[300:360]), 400, 16)
     with torch.no_grad():
         pred, truth = model.eval()(raw[360:]).argmax(1), y[360:]
     assert min((pred[truth == c] == c).float().mean().item() for c in (0, 1)) > 0.97
