@@ -961,6 +961,24 @@ def check_nonfinite(run: Run) -> list:
     return [Finding("nonfinite", "critical", msg, _steps_list(first[p] for p in order), group=group, hint=hint)]
 
 
+def check_gradients_never_zeroed(run: Run) -> list:
+    """The loop never zeroes the gradients: at two or more collections telemetry saw the same gradient tensor
+    changed in place exactly once per optimizer step since the previous one (backward() adding into it),
+    so every step applies the sum of all the gradients so far."""
+    kept = [(r["step"], r["grads_never_zeroed"]) for r in run.records if _has_type(r.get("step"), int)
+            and _has_type(r.get("grads_never_zeroed"), int) and r["grads_never_zeroed"] > 0]
+    if len(kept) < 2:
+        return []
+    return [Finding(
+        "gradients_never_zeroed", "warning",
+        f"the gradients are never zeroed: at {len(kept)} of {len(run.records)} collections the same gradient "
+        f"tensors had changed in place exactly once per optimizer step since the previous one (backward() adds "
+        f"into .grad), first at step {kept[0][0]}; every step applies the sum of all gradients so far, which "
+        "grows with the run.", _steps_list([s for s, _ in kept]),
+        hint="Call optimizer.zero_grad() once per optimizer step (before backward(), or after step() when "
+             "accumulating gradients over several micro-batches).")]
+
+
 def check_missing_gradients(run: Run) -> list:
     has = present(run, "gradient_norm")
     considered = int(has.sum())
@@ -2651,9 +2669,10 @@ def check_metric_errors(run: Run) -> list:
 
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
-CHECKS = (check_section_failed, check_missing_gradients, check_not_in_optimizer, check_frozen_parameters,
-          check_lr_zero, check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups,
-          check_not_learning, check_repeated_batches, check_unshuffled_batches, check_padding_supervised,
+CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
+          check_frozen_parameters, check_lr_zero, check_ignored_group_key, check_probability_outputs, check_lora,
+          check_frozen_groups, check_not_learning, check_repeated_batches, check_unshuffled_batches,
+          check_padding_supervised,
           check_unscaled_inputs, check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging,
           check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
           check_saturated_units, check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance,
@@ -2670,8 +2689,9 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # finding's stage decides its rank; a finding that a higher-ranked one explains (CONSEQUENCES) is listed
 # under it, not beside it.
 STAGES = (
-    ("section_failed", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lora_not_learning", "lr_zero",
-     "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "not_learning"),
+    ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
+     "lora_not_learning", "lr_zero", "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets",
+     "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2687,6 +2707,8 @@ STAGES = (
 FINDINGS = {
     "section_failed": (("critical",), "analyzer", "a telemetry section failed at every collection, so the "
                        "run has none of it (the records' errors name why)"),
+    "gradients_never_zeroed": (("warning",), "analyzer", "the same gradient tensors change once per step in "
+                               "place: backward() adds into them and nothing zeroes them"),
     "missing_gradients": (("warning", "critical"), "analyzer", "gradients absent when the hook ran: it was "
                           "called after zero_grad, or a group never gets a gradient"),
     NOT_IN_OPTIMIZER: (("warning",), "analyzer", "trainable tensors that no optimizer group holds: they never "
@@ -2742,6 +2764,8 @@ _AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("not_learning",) + STAGES[4]
 # Parameters that cannot train leave the rest of the model to learn what it can: it may not be enough.
 _UNTRAINED_PART = ("frozen_group", "holdout_at_chance", "loss_stalled", "forgetting")
 CONSEQUENCES = {
+    # every step applies the sum of the gradients so far: steps that grow with the run, and all that follows
+    "gradients_never_zeroed": _AFTER_A_BLOWUP,
     "missing_gradients": ("frozen_group", "exploding_gradients", "vanishing_gradients"),
     "frozen_parameters": _UNTRAINED_PART,
     # one group at lr 0 leaves the others to learn; every group at lr 0 (no group named) moves nothing

@@ -65,7 +65,7 @@ _OWN_FILES = (RECORDS_FILE, RUN_FILE, LOCK_FILE, "last_checkpoint", "initial_wei
 _SECTION_KEYS = {"start", "reference_step", "grad_profile", "activations", "gradient_norm", "weight_delta",
                  "learning_rates", "holdout_logits", "batch_stats", "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
                  "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
-                 "sparse_quality", "alerts", "system", "custom", "grad_scaler"}
+                 "sparse_quality", "alerts", "system", "custom", "grad_scaler", "grads_never_zeroed"}
 _GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
 MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
 # A spike is also at least this multiple of the rolling median, as the analyzer's loss spikes are: a short
@@ -826,7 +826,7 @@ _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "refere
                     "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
                     "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
                     "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
-                    "batch_stats/input_elements")
+                    "batch_stats/input_elements", "grads_never_zeroed")
 
 
 def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry", classes: Any = ()) -> Dict[str, float]:
@@ -3888,6 +3888,20 @@ class _Gradients:
     def __init__(self, scaler: _GradScaler):
         self.scaler = scaler
         self.captured: Optional[tuple] = None  # (layout key, step, rows) read before optimizer.step()
+        self.seen: Optional[tuple] = None  # (weak reference to the first gradient, its version, step)
+
+    def never_zeroed(self, layout: _Layout, step: int) -> Optional[int]:
+        """The optimizer steps since the previous collection when over them the first gradient stayed the
+        same tensor and changed in place exactly once per step: backward() added into it and nothing zeroed
+        it (zero_grad either replaces the tensor or zeroes it in place, a second change per step). None
+        otherwise, clipping or several backward() per step included, which this cannot tell apart."""
+        g = next((p.grad for p in layout.params if p.grad is not None), None)
+        version = getattr(g, "_version", None)
+        last, self.seen = self.seen, ((weakref.ref(g), version, step) if isinstance(version, int) else None)
+        if last is None or self.seen is None or last[0]() is not g:
+            return None
+        steps = step - last[2]
+        return steps if steps > 0 and version - last[1] == steps else None
 
     def rows(self, layout: _Layout, optimizer: Any, pre_step: bool) -> tuple:
         """(||g||^2 of this rank's part of each gradient, unscaled, on its device; 1.0 where a gradient
@@ -5057,6 +5071,9 @@ class TrainingTelemetry:
         cfg, layout, ranks = self.config, c.layout, self._ranks
         if cfg.track_gradients:
             c.add("gradient_norm", self._gradients.section, c, layout, optimizer, self.step, ranks)
+            kept = self._gradients.never_zeroed(layout, self.step)
+            if kept:
+                c.record["grads_never_zeroed"] = kept
         if cfg.track_lora:
             c.add("lora", self._lora.section, model, layout, self._reference, ranks, self.step)
         keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)

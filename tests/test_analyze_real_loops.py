@@ -541,6 +541,56 @@ def test_a_softmax_before_cross_entropy_is_named(tmp_path):
     assert fresh["logits+ce"] < 0.5 * floor and fresh["softmax+nll"] < 0.5 * floor
 
 
+def test_gradients_never_zeroed_are_named_and_told_apart_from_zeroing(tmp_path):
+    """The digits MLP with SGD (momentum 0.9) and no zero_grad(): backward() adds into the same gradient
+    tensors at every step, each step applies the sum of all gradients so far, and the run blows up (fresh
+    accuracy at chance, against 0.85 and more with zero_grad). Every record after the first says so
+    (grads_never_zeroed: the 8 steps since the previous collection), and gradients_never_zeroed leads with
+    the blow-up under it. Zeroing by set_to_none or in place, gradient accumulation over two micro-batches
+    zeroed per step, and clipping on a zeroed loop record nothing of the kind."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    loops = {"never": dict(zero=None), "set_to_none": dict(zero=True), "in_place": dict(zero=False),
+             "accumulate2": dict(zero=True, micro=2), "clip": dict(zero=False, clip=True)}
+    for name, how in loops.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
+        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+        gen = torch.Generator().manual_seed(0)
+        records = []
+        for step in range(400):
+            if how["zero"] is not None:
+                opt.zero_grad(set_to_none=how["zero"])
+            for _ in range(how.get("micro", 1)):
+                idx = torch.randint(0, 1000, (32,), generator=gen)
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                loss.backward()
+            if how.get("clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            records.append(tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss))
+        tel.close()
+        collected = [r for r in records if r]
+        with torch.no_grad():
+            accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
+        run, found = codes(tmp_path / name)
+        if name == "never":
+            assert accuracy < 0.3
+            assert [r.get("grads_never_zeroed") for r in collected] == [None] + [8] * (len(collected) - 1)
+            top = at.diagnose(run)
+            assert top[0].code == "gradients_never_zeroed", [f.code for f in top]
+            assert "loss_diverging" in [f.code for f in at.every_finding(top[0].consequences)]
+        else:
+            assert accuracy > 0.85
+            assert not any("grads_never_zeroed" in r for r in collected)
+            assert "gradients_never_zeroed" not in found
+
+
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
     """Breast cancer (37/63, holdout alike) under a BatchNorm-first MLP, batches drawn with replacement: the
     holdout's 18 examples of the rarer class are 79% right against 97% for the others, a gap of 2.1 sigmas
