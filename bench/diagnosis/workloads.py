@@ -224,6 +224,7 @@ class Trace:
     grads_seen_at_hook: List[bool] = field(default_factory=list)
     neck_grad_norms: List[float] = field(default_factory=list)
     train_acc: List[float] = field(default_factory=list)
+    grad_ids: set = field(default_factory=set)
 
 
 def plant_labels(y: torch.Tensor, spec: Dict[str, Any], k: int, rng: np.random.RandomState) -> torch.Tensor:
@@ -337,7 +338,10 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
             trace.train_acc.append(float(acc))
         scalars = {} if acc is None else {"train_acc": acc}
         telemetry.on_batch_end(model, optimizer, step, (step - 1) // per_epoch, batch=batch, loss=loss, **scalars)
-        optimizer.zero_grad()
+        if plant == "grads_never_zeroed":  # the bug: no zero_grad, so backward() adds into the same gradients
+            trace.grad_ids.add(id(next(model.parameters()).grad))
+        else:
+            optimizer.zero_grad()
         if step % every == 0 or step == steps:  # the test-loss curve, at every collection
             test_loss, test_metric = evaluate(model, data.x["test"], data.y["test"], regression)
             trace.test_steps.append(step)
@@ -491,6 +495,10 @@ def verify_classifier(ctx) -> Verdict:
         n = len(t.batch_keys)
         return Verdict(n == 1, f"{n} distinct batch",
                        f"{n} distinct batch(es) over {len(t.losses)} steps (needs 1)")
+    if plant == "grads_never_zeroed":  # one gradient tensor for the whole run, added into at every step
+        return Verdict(len(t.grad_ids) == 1, f"{len(t.grad_ids)} grad tensor, test acc {acc:.3f}",
+                       f"the first weight's gradient was {len(t.grad_ids)} tensor(s) over the run (needs 1); test acc "
+                       f"{acc:.3f}")
     if plant == "zero_grad_before_hook":
         seen = sum(t.grads_seen_at_hook)
         return Verdict(seen == 0, f"grads at hook {seen}/{len(t.grads_seen_at_hook)}",
