@@ -156,6 +156,15 @@ def read_meta(run: Run) -> None:
     run.meta = meta
 
 
+def _why_no_records(run: Run) -> str:
+    """Why a run that has run.json has no records, from the optimizer steps telemetry counted at close()."""
+    read_meta(run)
+    if run.meta.get("steps") != 0 or not _has_type(run.meta.get("steps"), int):
+        return ""
+    return (f": telemetry counted no optimizer step ({RUN_FILE}: steps 0). It collects right after a step: call "
+            "on_batch_end after optimizer.step(), with the optimizer that steps")
+
+
 def _has_type(value, kind) -> bool:
     """isinstance for JSON values, where a boolean is no number and an integer must fit in 64 bits."""
     if kind is int:
@@ -4249,7 +4258,7 @@ def _main(argv=None) -> int:
             print(f"error: {d} is not a run directory", file=sys.stderr)
             return 2
         if not args.watch and not (run.path / RECORD_FILE).is_file():
-            print(f"error: no {RECORD_FILE} in {run.path}", file=sys.stderr)
+            print(f"error: no {RECORD_FILE} in {run.path}{_why_no_records(run)}", file=sys.stderr)
             return 2
         runs.append(run)
     _unique_names(runs)

@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import re
+import subprocess
 import sys
 import warnings
 from datetime import datetime, timedelta
@@ -589,6 +590,36 @@ def test_gradients_never_zeroed_are_named_and_told_apart_from_zeroing(tmp_path):
             assert accuracy > 0.85
             assert not any("grads_never_zeroed" in r for r in collected)
             assert "gradients_never_zeroed" not in found
+
+
+def test_a_loop_that_never_steps_is_told_why_it_has_no_records(tmp_path):
+    """A loop that calls backward() and on_batch_end but never optimizer.step(): telemetry collects nothing
+    (it warns while training) and close() counts 0 steps in run.json; the analyzer's error says so. A run
+    that stepped but has no records (its file removed) gets the plain error."""
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    for name, steps in (("never", False), ("stepped", True)):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=2))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(150):
+                opt.zero_grad()
+                F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,))).backward()
+                if steps:
+                    opt.step()
+                tel.on_batch_end(model, opt, i, 0)
+            tel.close()
+        if steps:
+            (tmp_path / name / "telemetry.jsonl").unlink()
+        else:
+            assert any("without an optimizer.step()" in str(w.message) for w in seen)
+        proc = subprocess.run([sys.executable, str(ROOT / "analyze_telemetry.py"), str(tmp_path / name)], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and "no telemetry.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+        assert ("counted no optimizer step" in proc.stderr) == (not steps), proc.stderr
 
 
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
