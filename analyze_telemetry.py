@@ -1039,6 +1039,39 @@ def check_lr_zero(run: Run) -> list:
     return findings
 
 
+# A schedule's learning rate this far below its peak moves the weights by a rounding error; a cosine or linear
+# decay gets there only at its very end, so a fall this deep in the first half of a run is a schedule that
+# counts something else than the loop's steps.
+LR_COLLAPSE = 1e-3
+
+
+def check_lr_collapsed(run: Run) -> list:
+    """The learning rate (every group's: the largest) fell below LR_COLLAPSE of its peak in the first half of
+    the run and stayed there: the rest of the run's steps move the weights by next to nothing, whatever the
+    run had learned by then. A scheduler stepped per batch where it counts epochs, or a decay far too steep."""
+    lr, st = column(run, "learning_rates.overall"), steps(run)
+    ok = np.isfinite(lr) & (lr > 0) if len(lr) else np.zeros(0, dtype=bool)
+    if ok.sum() < 8 or not ok[0]:
+        return []
+    lr, st = lr[ok], st[ok]
+    peak = float(np.max(lr[: max(1, np.searchsorted(st, st[0] + 0.5 * (st[-1] - st[0]), "right"))]))
+    floor = LR_COLLAPSE * peak * (1 + 1e-9)   # a schedule's products of 0.1 land a rounding above 1e-3
+    low = np.flatnonzero(lr <= floor)
+    if not len(low) or st[low[0]] - st[0] > 0.5 * (st[-1] - st[0]) or lr[low[0]:].max() > floor:
+        return []
+    i = int(low[0])
+    share = (st[i] - st[0]) / max(st[-1] - st[0], 1)
+    return [Finding(
+        "lr_collapsed", "warning",
+        f"the learning rate fell from its peak {_fmt(peak)} to {_fmt(float(lr[i]))} by step {int(st[i])}, {share:.0%} "
+        f"into the run, and stayed below {LR_COLLAPSE:g} of the peak (it ends at {_fmt(float(lr[-1]))}): the "
+        f"{1 - share:.0%} of the run after it moved the weights by next to nothing.",
+        _steps_list([int(st[i]), int(st[-1])]),
+        hint="A scheduler stepped once per batch where its step_size, T_max or milestones count epochs: step it once "
+             "per epoch, or give it steps (StepLR(step_size=epochs * steps_per_epoch)); else check gamma and the "
+             "schedule's length against the number of optimizer steps.")]
+
+
 def check_ignored_group_key(run: Run) -> list:
     """Param-group keys the optimizer never reads that look like one it does ("learning_rate" for "lr"), with
     another value (telemetry.py lists them in run.json): that setting was never applied, and the learning
@@ -2679,13 +2712,13 @@ def check_metric_errors(run: Run) -> list:
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
-          check_frozen_parameters, check_lr_zero, check_ignored_group_key, check_probability_outputs, check_lora,
-          check_frozen_groups, check_not_learning, check_repeated_batches, check_unshuffled_batches,
-          check_padding_supervised,
-          check_unscaled_inputs, check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging,
-          check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
-          check_saturated_units, check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance,
-          check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
+          check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
+          check_probability_outputs, check_lora, check_frozen_groups, check_not_learning, check_repeated_batches,
+          check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs, check_unscaled_targets,
+          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
+          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
+          check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
+          check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2699,8 +2732,8 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # under it, not beside it.
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
-     "lora_not_learning", "lr_zero", "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets",
-     "not_learning"),
+     "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
+     "unscaled_targets", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2727,6 +2760,8 @@ FINDINGS = {
     "lora_not_learning": (("critical",), "analyzer", "a LoRA adapter stays at zero (B never leaves 0)"),
     "lr_zero": (("warning", "critical"), "both", "a group's learning rate is 0 while others train, or every "
                 "group's"),
+    "lr_collapsed": (("warning",), "analyzer", "the learning rate fell below 1/1000 of its peak in the first half "
+                     "of the run and stayed there"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
@@ -2788,6 +2823,7 @@ CONSEQUENCES = {
     # a model whose units died or that blew up neglects the rare classes as it neglects everything else
     "unscaled_inputs": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike") + ("class_imbalance",),
     "unscaled_targets": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike"),
+    "lr_collapsed": _UNTRAINED_PART + ("not_learning",),
     # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly
     "probability_outputs": ("loss_stalled", "not_learning", "vanishing_gradients"),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model

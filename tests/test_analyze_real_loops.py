@@ -317,12 +317,14 @@ def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, 
     return model
 
 
-def sampled_run(out, model, x, y, holdout, steps, batch, loss_fn=F.cross_entropy, lr=1e-3):
+def sampled_run(out, model, x, y, holdout, steps, batch, loss_fn=F.cross_entropy, lr=1e-3, schedule=None):
     """Adam on batches of `batch` drawn with replacement from (x, y), collecting every 8 steps with the real
-    TrainingTelemetry; `holdout` = (x, y) given to set_holdout_data."""
+    TrainingTelemetry; `holdout` = (x, y) given to set_holdout_data; `schedule(optimizer)`, a learning-rate
+    scheduler stepped after every optimizer step."""
     from telemetry import TelemetryConfig, TrainingTelemetry
 
     opt = torch.optim.Adam(model.parameters(), lr=lr)
+    scheduler = schedule(opt) if schedule else None
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=8))
     tel.set_holdout_data(holdout)
     gen = torch.Generator().manual_seed(0)
@@ -332,6 +334,8 @@ def sampled_run(out, model, x, y, holdout, steps, batch, loss_fn=F.cross_entropy
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if scheduler:
+            scheduler.step()
         tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
     tel.close()
 
@@ -620,6 +624,36 @@ def test_a_loop_that_never_steps_is_told_why_it_has_no_records(tmp_path):
                               text=True, timeout=60)
         assert proc.returncode == 2 and "no telemetry.jsonl" in proc.stderr and "Traceback" not in proc.stderr
         assert ("counted no optimizer step" in proc.stderr) == (not steps), proc.stderr
+
+
+def test_a_learning_rate_that_collapses_early_is_named_before_not_learning(tmp_path):
+    """The digits MLP with Adam at 1e-3 and StepLR(step_size=30, gamma=0.1) stepped once per batch: by step 100
+    the learning rate is 1e-6 of its start and the run stops learning (fresh accuracy about 0.7, against 0.9
+    and more with the schedule stepped per epoch of 30 batches): lr_collapsed leads, where nothing was said.
+    The per-epoch schedule and OneCycleLR, which anneals to 4e-6 of its peak at the very end, get no
+    lr_collapsed."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    schedules = {"per-batch": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=30, gamma=0.1),
+                 "per-epoch": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=30 * 30, gamma=0.1),
+                 "one-cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=400)}
+    for name, schedule in schedules.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        sampled_run(tmp_path / name, model, x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), 400, 32,
+                    schedule=schedule)
+        with torch.no_grad():
+            accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
+        run, found = codes(tmp_path / name)
+        if name == "per-batch":
+            assert accuracy < 0.8
+            top = at.diagnose(run)
+            assert top[0].code == "lr_collapsed", [f.code for f in top]
+            assert "by step 97, 24% into the run" in top[0].message   # 1e-3 * 0.1^3 from step 90, collected at 97
+        else:
+            assert accuracy > 0.9 and "lr_collapsed" not in found
 
 
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
