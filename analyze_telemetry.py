@@ -1997,7 +1997,34 @@ def check_holdout_at_chance(run: Run) -> list:
             "If train accuracy is high this is memorisation: more data, augmentation, regularisation. If both are "
             "at chance: check labels line up with inputs, the learning rate, and that the holdout comes from the "
             "same distribution.")
+    spread = _prediction_spread(h) if h.kind == "regression" else None
+    if spread is not None and spread[0] < FLAT_PREDICTIONS * spread[1] and abs(spread[2]) < FLAT_MEAN * spread[1]:
+        why += (f"; its predictions barely vary (standard deviation {_fmt(spread[0])} against the targets' "
+                f"{_fmt(spread[1])}) and sit at the targets' mean: about that one value for every example")
+        hint = ("One value for everything is what a squared error minimises when each output is compared with every "
+                "target: an [N, 1] output against [N] targets in mse_loss broadcasts to [N, N] (PyTorch warns of "
+                "a target size different to the input size), so compare output[:, 0] or targets of shape [N, 1]. "
+                "Else check that the targets line up with the inputs.")
     return [Finding("holdout_at_chance", "critical", why + extra + ".", _steps_list(where), hint=hint)]
+
+
+# A regression whose predictions spread less than this share of its targets', with their mean within FLAT_MEAN
+# of the targets' standard deviation from the targets' mean, predicts about the targets' mean for all.
+FLAT_PREDICTIONS = 0.1
+FLAT_MEAN = 0.25
+
+
+def _prediction_spread(h: Holdout):
+    """(standard deviation of the predictions, of the targets, mean prediction minus mean target) at the
+    holdout's last evaluation; None when it has not both for 5 or more examples."""
+    if not h.raw:
+        return None
+    pred, targets = (np.array([_num(v) for v in (h.raw[-1].get(k) or [])]) if isinstance(h.raw[-1].get(k), list)
+                     else np.array([]) for k in ("predictions", "targets"))
+    ok = np.isfinite(pred) & np.isfinite(targets) if len(pred) == len(targets) else np.zeros(0, dtype=bool)
+    if ok.sum() < 5:
+        return None
+    return float(np.std(pred[ok])), float(np.std(targets[ok])), float(np.mean(pred[ok]) - np.mean(targets[ok]))
 
 
 def _train_improved(run: Run, since_step: float):

@@ -510,6 +510,7 @@ def test_unscaled_regression_targets_are_named_before_what_they_do(tmp_path):
         assert effect in [f.code for f in at.every_finding(top[0].consequences)]
         shown = float(re.search(r"root mean square of ([0-9.]+)", top[0].message).group(1))
         assert shown == pytest.approx(raw[250:300].double().square().mean().sqrt().item(), rel=1e-3)
+        assert "broadcast" not in " ".join(f.hint for f in at.every_finding(top))
 
 
 def test_a_softmax_before_cross_entropy_is_named(tmp_path):
@@ -654,6 +655,36 @@ def test_a_learning_rate_that_collapses_early_is_named_before_not_learning(tmp_p
             assert "by step 97, 24% into the run" in top[0].message   # 1e-3 * 0.1^3 from step 90, collected at 97
         else:
             assert accuracy > 0.9 and "lr_collapsed" not in found
+
+
+def test_a_regression_output_broadcast_against_its_targets_is_hinted(tmp_path):
+    """Diabetes, standardised, an MLP of one output trained with mse_loss(output, y) where output is [N, 1]
+    and y is [N]: the loss compares every output with every target, its best answer is the targets' mean
+    for all, and the fresh examples' R^2 stays near 0 (0.58 with output[:, 0]). holdout_at_chance says the
+    predictions barely vary and sit at the mean, and its hint names the broadcast. The raw targets of
+    unscaled_targets' run, whose predictions are far from their mean, keep the plain hint."""
+    from sklearn.datasets import load_diabetes
+
+    x, _, _ = standardized(load_diabetes, fit=250)
+    t = torch.tensor(load_diabetes().target[np.random.RandomState(0).permutation(442)], dtype=torch.float32)
+    t = (t - t[:250].mean()) / t[:250].std()
+    for name, squeeze in (("broadcast", False), ("squeezed", True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # PyTorch's warning of a target size different to the input size
+            sampled_run(tmp_path / name, model, x[:250], t[:250], (x[250:300], t[250:300]), 600, 16,
+                        loss_fn=lambda out, y, squeeze=squeeze: F.mse_loss(out[:, 0] if squeeze else out, y))
+        with torch.no_grad():
+            p = model(x[300:])[:, 0]
+        r2 = 1 - float(((p - t[300:]) ** 2).mean() / t[300:].var(unbiased=False))
+        _, found = codes(tmp_path / name)
+        if squeeze:
+            assert r2 > 0.45 and "holdout_at_chance" not in found
+        else:
+            assert r2 < 0.2
+            f = found["holdout_at_chance"]
+            assert "predictions barely vary" in f.message and "broadcasts to [N, N]" in f.hint
 
 
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
