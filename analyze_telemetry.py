@@ -578,6 +578,10 @@ def _holdout(run: Run) -> Holdout | None:
     kind = max(set(kinds), key=kinds.count)
     rows = [row for row, k in zip(rows, kinds) if k == kind]
     segments = segment_ids(run)[[i for i, k in zip(picked, kinds) if k == kind]]
+    if kind == "classification" and (read := _single_probabilities(rows)) is not None:
+        rows = read
+        _notice(run, "the holdout's single outputs lie in [0, 1] at every evaluation: read as probabilities "
+                     "(class 1 above 0.5, the loss as binary cross-entropy on them), not as logits")
     n, keep, correct = _holdout_matrix(rows, kind)
     num_classes, labels = _holdout_classes(rows, keep) if kind == "classification" else (None, None)
     return Holdout(
@@ -594,6 +598,28 @@ def _holdout(run: Run) -> Holdout | None:
         correct=correct,
         predictions_last=[rows[i][1].get("predictions") for i in keep[-3:]] if keep else [],
         raw=[h for _, h in rows])
+
+
+def _single_probabilities(rows: list):
+    """The rows with predictions, accuracy and loss recomputed from probabilities, when a binary classifier's
+    one output per example lies in [0, 1] at every evaluation (3 or more): a model ending in a sigmoid,
+    trained with BCELoss, whose outputs telemetry reads as logits (class 1 above 0, where every probability
+    is). A model of logits leaves [0, 1] once it has learned anything (class 0 gets negative ones). None
+    otherwise."""
+    read = []
+    for step, h in rows:
+        p, y = h.get("logits"), h.get("labels")
+        if not (h.get("num_classes") == 2 and isinstance(p, list) and isinstance(y, list) and len(p) == len(y)
+                and p and all(_has_type(v, (int, float)) and 0 <= v <= 1 for v in p)
+                and all(v in (0, 1) for v in y)):
+            return None
+        p, y = np.array(p, dtype=float), np.array(y, dtype=float)
+        pred = (p > 0.5).astype(int)
+        eps = 1e-7
+        loss = -np.mean(y * np.log(np.clip(p, eps, 1)) + (1 - y) * np.log(np.clip(1 - p, eps, 1)))
+        read.append((step, {**h, "predictions": pred.tolist(), "accuracy": float(np.mean(pred == y)),
+                            "loss": float(loss)}))
+    return read if len(read) >= 3 else None
 
 
 def _holdout_matrix(rows: list, kind: str):

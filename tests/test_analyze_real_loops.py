@@ -687,6 +687,34 @@ def test_a_regression_output_broadcast_against_its_targets_is_hinted(tmp_path):
             assert "predictions barely vary" in f.message and "broadcasts to [N, N]" in f.hint
 
 
+def test_a_sigmoid_output_trained_with_bce_is_read_as_probabilities(tmp_path):
+    """Breast cancer, one output per example: nn.Sigmoid last and BCELoss, or the logit and
+    BCEWithLogitsLoss (the same model, trained the same). Telemetry records the one output as a logit, class
+    1 above 0, where every probability is: the holdout read as always class 1, at chance, and a
+    class_imbalance false alarm. The analyzer reads outputs that stay in [0, 1] at every evaluation as
+    probabilities: the holdout's accuracy is the one a manual eval pass gives, and nothing is found."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y, _ = standardized(load_breast_cancer, fit=300)
+    y = y.float()
+    for name, sigmoid in (("sigmoid-bce", True), ("logit-bce-with-logits", False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 1), *([nn.Sigmoid()] if sigmoid else []))
+        loss_fn = (lambda out, t: F.binary_cross_entropy(out[:, 0], t)) if sigmoid else \
+            (lambda out, t: F.binary_cross_entropy_with_logits(out[:, 0], t))
+        # 401 steps: the last one collects, so the last evaluation saw the final weights
+        sampled_run(tmp_path / name, model, x[:300], y[:300], (x[300:360], y[300:360]), 401, 16, loss_fn=loss_fn)
+        run, found = codes(tmp_path / name)
+        h = at.holdout_data(run)
+        held = slice(300, 300 + len(h.labels))   # the holdout telemetry kept (holdout_size)
+        with torch.no_grad():
+            out = model(x[held])[:, 0]
+            manual = float(((out > (0.5 if sigmoid else 0.0)).float() == y[held]).float().mean())
+        assert h.accuracy[-1] == pytest.approx(manual) and manual > 0.9
+        assert not {c for c, f in found.items() if f.severity != "info"}, {c: f.message for c, f in found.items()}
+        assert any("read as probabilities" in n for n in run.notices) == sigmoid
+
+
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
     """Breast cancer (37/63, holdout alike) under a BatchNorm-first MLP, batches drawn with replacement: the
     holdout's 18 examples of the rarer class are 79% right against 97% for the others, a gap of 2.1 sigmas
