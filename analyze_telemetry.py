@@ -1000,7 +1000,7 @@ def check_gradients_never_zeroed(run: Run) -> list:
     """The loop never zeroes the gradients: at two or more collections telemetry saw the same gradient tensor
     changed in place exactly once per optimizer step since the previous one (backward() adding into it),
     so every step applies the sum of all the gradients so far."""
-    kept = [(r["step"], r["grads_never_zeroed"]) for r in run.records if _has_type(r.get("step"), int)
+    kept = [r["step"] for r in run.records if _has_type(r.get("step"), int)
             and _has_type(r.get("grads_never_zeroed"), int) and r["grads_never_zeroed"] > 0]
     if len(kept) < 2:
         return []
@@ -1008,8 +1008,8 @@ def check_gradients_never_zeroed(run: Run) -> list:
         "gradients_never_zeroed", "warning",
         f"the gradients are never zeroed: at {len(kept)} of {len(run.records)} collections the same gradient "
         f"tensors had changed in place exactly once per optimizer step since the previous one (backward() adds "
-        f"into .grad), first at step {kept[0][0]}; every step applies the sum of all gradients so far, which "
-        "grows with the run.", _steps_list([s for s, _ in kept]),
+        f"into .grad), first at step {kept[0]}; every step applies the sum of all gradients so far, which "
+        "grows with the run.", _steps_list(kept),
         hint="Call optimizer.zero_grad() once per optimizer step (before backward(), or after step() when "
              "accumulating gradients over several micro-batches).")]
 
@@ -1387,8 +1387,7 @@ def _chance_losses(run: Run):
     not say."""
     h = holdout_data(run)
     if h and h.kind == "regression":   # an untrained regressor predicts ~0, not the mean: no untrained level
-        targets = np.array([_num(v) for v in (h.raw[-1].get("targets") or [])]) if h.raw else np.array([])
-        targets = _finite(targets)
+        targets = _last_targets(h)
         return None, (float(np.var(targets)) if len(targets) >= 5 else None)
     if not (h and h.kind == "classification" and h.num_classes and h.num_classes >= 2):
         return None, None
@@ -1988,6 +1987,11 @@ def _classification_at_chance(h: Holdout):
 CHANCE_R2 = 0.1   # the most of the mean's error (as R^2) a regression at chance may explain, whatever the noise
 
 
+def _last_targets(h: Holdout) -> np.ndarray:
+    """The finite targets of a regression holdout's last evaluation (empty where it has none)."""
+    return _finite(np.array([_num(v) for v in (h.raw[-1].get("targets") or [])])) if h.raw else np.array([])
+
+
 def _regression_at_chance(h: Holdout):
     """The holdout's mean squared error no better than always predicting the targets' mean: R^2 <= 0 within
     the noise of the per-example errors (2 standard errors), and the point estimate itself near 0 (R^2 at most
@@ -1995,7 +1999,7 @@ def _regression_at_chance(h: Holdout):
     with heavy-tailed errors cannot show a fit's R^2 of 0.3 above 0 at 2 standard errors; that is a lack of
     evidence, not a model no better than the mean."""
     late = _late(h, h.loss)
-    targets = _finite(np.array([_num(v) for v in (h.raw[-1].get("targets") or [])])) if h.raw else np.array([])
+    targets = _last_targets(h)
     if late is None or len(targets) < 5:
         return None
     mse, a, b = late
@@ -2422,9 +2426,9 @@ def check_unscaled_targets(run: Run) -> list:
     the squared error's gradients are as large as the targets, and an adaptive optimizer's steps of about the
     learning rate take thousands of steps to reach them. A run that fits them anyway is left alone."""
     h = holdout_data(run)
-    if not h or h.kind != "regression" or not h.raw:
+    if not h or h.kind != "regression":
         return []
-    targets = _finite(np.array([_num(v) for v in (h.raw[-1].get("targets") or [])]))
+    targets = _last_targets(h)
     rms = float(np.sqrt(np.mean(targets ** 2))) if len(targets) >= 5 else 0.0
     if rms <= UNSCALED_RMS:
         return []
@@ -2860,6 +2864,9 @@ BLOWUPS = STAGES[2]   # events in time: they explain only what starts at or afte
 _AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("not_learning",) + STAGES[4]
 # Parameters that cannot train leave the rest of the model to learn what it can: it may not be enough.
 _UNTRAINED_PART = ("frozen_group", "holdout_at_chance", "loss_stalled", "forgetting")
+# Inputs or targets far off scale blow a run up, kill or saturate its units and stall it from the start; a
+# lone loss spike is one batch's doing, not theirs.
+_OFF_SCALE = tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike")
 CONSEQUENCES = {
     # every step applies the sum of the gradients so far: steps that grow with the run, and all that follows
     "gradients_never_zeroed": _AFTER_A_BLOWUP,
@@ -2874,8 +2881,8 @@ CONSEQUENCES = {
     "repeated_batches": ("class_imbalance", "loss_spike", "exploding_gradients") + STAGES[4],
     "unshuffled_batches": ("class_imbalance",) + BLOWUPS + STAGES[3] + STAGES[4],
     # a model whose units died or that blew up neglects the rare classes as it neglects everything else
-    "unscaled_inputs": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike") + ("class_imbalance",),
-    "unscaled_targets": tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike"),
+    "unscaled_inputs": _OFF_SCALE + ("class_imbalance",),
+    "unscaled_targets": _OFF_SCALE,
     "lr_collapsed": _UNTRAINED_PART + ("not_learning",),
     # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly
     "probability_outputs": ("loss_stalled", "not_learning", "vanishing_gradients"),

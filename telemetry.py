@@ -365,9 +365,9 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
             for members in groups:
                 sq[members] = _stacked_sq_norms([bucket[i] for i in members], None, work)
             if rest:
-                sq[rest] = torch.stack(torch._foreach_norm([bucket[i] for i in rest], 2, dtype=work)).square().float()
+                sq[rest] = _squared_norms([bucket[i] for i in rest], work)
         elif threads == 1:
-            sq = torch.stack(torch._foreach_norm(bucket, 2, dtype=work)).square().float()
+            sq = _squared_norms(bucket, work)
         else:  # a large CPU bucket: each thread norms an equal share of pieces of the tensors, then they add up
             owner, pieces = [], []
             for k, t in enumerate(bucket):
@@ -2144,8 +2144,9 @@ def _floats_on(tensors: List[torch.Tensor], device: torch.device) -> List[torch.
             for t in tensors]
 
 
-def _squared_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(torch._foreach_norm(tensors, 2)).square().float() if tensors else torch.zeros(0)
+def _squared_norms(tensors: List[torch.Tensor], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """||t||^2 of each tensor, list-wide, as float32 (the norms taken in `dtype`, if given)."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).square().float() if tensors else torch.zeros(0)
 
 
 def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = None,
@@ -5071,9 +5072,7 @@ class TrainingTelemetry:
         cfg, layout, ranks = self.config, c.layout, self._ranks
         if cfg.track_gradients:
             c.add("gradient_norm", self._gradients.section, c, layout, optimizer, self.step, ranks)
-            kept = self._gradients.never_zeroed(layout, self.step)
-            if kept:
-                c.record["grads_never_zeroed"] = kept
+            c.add("grads_never_zeroed", self._gradients.never_zeroed, layout, self.step)
         if cfg.track_lora:
             c.add("lora", self._lora.section, model, layout, self._reference, ranks, self.step)
         keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)
