@@ -7,8 +7,9 @@ lora_deep: the LoRA workload's Llama at 32 layers of width 64 with rank-8 adapte
 (see compare.build_lora).
 
 Both versions are loaded as modules, each with a TrainingTelemetry (the default config, no holdout; with
---param-change, track_param_change on, whose counts the weight pass adds) writing to a directory of its own. Every round trains one step and collects with one version, then another step and
-the other version, the order swapped each round, so that both see the same machine state; the hook is timed
+--param-change, track_param_change on, whose counts the weight pass adds) writing to a directory of its own.
+Every round trains one step and collects with one version, then another step and the other version, the
+order swapped each round, so that both see the same machine state; the hook is timed
 alone. Prints each version's median collection and the median over rounds of the per-round ratio
 this / REV, the figure that the machine's drift between rounds cancels out of. Each version's fused kernels
 are compiled (one after the other: two compiles at once in one process interfere) before the timed rounds.

@@ -120,7 +120,8 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def build_lora(hidden, layers=2, targets=("q_proj", "v_proj")):
-    """Tiny Llama built locally (2 layers, vocab 1024), frozen, with a rank-8 LoRA on q_proj/v_proj.
+    """Tiny Llama built locally (vocab 1024, `layers` of width `hidden`), frozen, with a rank-8 LoRA on the
+    `targets` projections.
     lora_deep: 32 layers of width 64 with the adapters on all seven projections, 448 trainable tensors in
     2,665 modules: as many as a 7B Llama's LoRA on them, so the per-tensor costs are a real model's."""
     import torch
