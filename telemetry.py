@@ -82,8 +82,11 @@ CHUNK_BYTES = 2 << 20  # files are streamed in pieces this big: a few per thread
 PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this runs on one thread
 MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
 WHOLE_PASS_BYTES = 16 << 20  # up to this many trainable bytes the pass takes whole tensors, list-wide
+# Weights on a GPU are passed in blocks of this many bytes of the files: a few host copies and list-wide ops
+# per block, where chunks of CHUNK_BYTES cost the host a dozen calls each; a few blocks are in flight at once.
+DEVICE_BLOCK_BYTES = 8 << 20
 # A tensor smaller than this costs more per op or write than its bytes: on the CPU, tensors of one shape are
-# stacked to be measured together, and runs of them are written to a file as one block.
+# stacked to be measured together, and runs of them (on any device) are written to a file as one block.
 SMALL_TENSOR_BYTES = 64 << 10
 MIN_STACKED = 16  # fewer such tensors cost less one by one than copied together (measured)
 FUSED_MIN_ELEMENTS = 1 << 14  # the compiled kernel is specialised to chunks at least this long
@@ -386,9 +389,13 @@ def per_tensor_sq_norms(tensors: List[torch.Tensor], device: Optional[torch.devi
     return out
 
 
+def _small(t: torch.Tensor) -> bool:
+    """A tensor under SMALL_TENSOR_BYTES."""
+    return t.numel() * t.element_size() < SMALL_TENSOR_BYTES
+
+
 def _small_cpu(t: torch.Tensor) -> bool:
-    """A CPU tensor under SMALL_TENSOR_BYTES."""
-    return t.device.type == "cpu" and t.numel() * t.element_size() < SMALL_TENSOR_BYTES
+    return t.device.type == "cpu" and _small(t)
 
 
 def _same_shape_groups(tensors: List[torch.Tensor]) -> tuple:
@@ -1377,14 +1384,16 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                     handed[i] += values.numel()
 
             def write_data():
-                # What put() did not write, run by run: a run is one tensor, or consecutive small CPU tensors of
-                # one dtype up to CHUNK_BYTES, written as one block from MIN_STACKED on (see SMALL_TENSOR_BYTES).
+                # What put() did not write, run by run: a run is one tensor, or consecutive small tensors of one
+                # device and dtype up to CHUNK_BYTES, written as one block from MIN_STACKED on (see
+                # SMALL_TENSOR_BYTES): from a GPU, one transfer and one wait for all of them.
                 runs: List[List[int]] = []
                 for i, t in enumerate(tensors):
                     run = runs[-1] if runs else []
                     if handed[i] == t.numel():
                         runs.append([])  # written already: the next tensor is not next to the last in the file
-                    elif run and _small_cpu(t) and _small_cpu(tensors[run[0]]) and t.dtype == tensors[run[0]].dtype \
+                    elif run and _small(t) and _small(tensors[run[0]]) \
+                            and (t.device, t.dtype) == (tensors[run[0]].device, tensors[run[0]].dtype) \
                             and starts[i] + t.numel() * t.element_size() - starts[run[0]] <= CHUNK_BYTES:
                         run.append(i)
                     else:
@@ -1794,13 +1803,10 @@ class _Scratch:
         return buf[:n]
 
     def as_float(self, x: torch.Tensor, slot: str, dev: torch.device) -> torch.Tensor:
-        """x in its _work_dtype on dev, copied (and converted) only when it is not already; from CPU memory (a
-        file's map) to a CUDA device through a pinned block, as _to_device."""
+        """x in its _work_dtype on dev, copied (and converted) only when it is not already."""
         work = _work_dtype(x.dtype)
         if x.dtype == work and x.device == dev:
             return x
-        if x.device.type == "cpu" and dev.type == "cuda":
-            return self.get(slot, dev, x.numel(), work).copy_(_pinned_copy(x), non_blocking=True)
         return self.get(slot, dev, x.numel(), work).copy_(x)
 
 
@@ -1825,9 +1831,10 @@ def _change_details(w: torch.Tensor, r: torch.Tensor, w0: torch.Tensor, threshol
 
 
 class _FusedKernels:
-    """The streamed pass's reductions compiled by torch.compile into one loop per chunk (C++ on the CPU,
-    Triton on a GPU): each chunk of the weights and of both files is read once and no difference is
-    written out, where eager torch writes each difference and reads it back.
+    """The streamed pass's reductions over weights in CPU memory, compiled by torch.compile into one C++ loop
+    per chunk: each chunk of the weights and of both files is read once and no difference is written out,
+    where eager torch writes each difference and reads it back. (On a GPU the device's passes cost little
+    beside the host's calls; see _block_pass.)
 
     Only with TELEMETRY_COMPILE=1 in the environment. Compiled once per process, at the end of the first
     collection that asks for a kernel, which waits for it (seconds to tens of seconds): never on a thread
@@ -2009,8 +2016,7 @@ class _ChangePass:
         inputs, and the eager ops then serve this tensor. Only with both files: one tensor passed for two
         inputs is not what the kernel was compiled for."""
         w = self.flats[i][start:start + n]
-        r = _to_device(self.refs[i].view(-1)[start:start + n], w.device)
-        r0 = _to_device(self.inits[i].view(-1)[start:start + n], w.device)
+        r, r0 = self.refs[i].view(-1)[start:start + n], self.inits[i].view(-1)[start:start + n]
         try:
             out = self.kernels[i](w, r, r0, *self.limits) if self.detail else (self.kernels[i](w, r, r0),)
         except RuntimeError:  # a guard failed (another stride, dtype or state): nothing was computed
@@ -2157,8 +2163,9 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     """Every per-tensor quantity of the weight-change sections from ONE pass over the weights: the
     reference and the initial weights are streamed side by side in CHUNK_BYTES pieces, each file once,
     and each chunk of the weights is read once for all of them (into reused scratch buffers, so the extra
-    memory is a few chunks whatever the model's size). Models of up to WHOLE_PASS_BYTES are taken whole,
-    with list-wide ops; larger ones go through the fused kernels (see _FusedKernels) once they are ready.
+    memory is a few chunks whatever the model's size). In CPU memory, models of up to WHOLE_PASS_BYTES are
+    taken whole, with list-wide ops, and larger ones go through the fused kernels (see _FusedKernels) once
+    they are ready; weights on a device go block by block (see _block_pass).
 
     With w the current weights, r the reference (previous collection) and w0 the initial weights, for each
     tensor, as vectors [len(named)] on the first weight's device:
@@ -2186,7 +2193,9 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
     inits, release_init = mapper(initial_path, names) if initial_path else (None, None)
     sums = _ChangePass(flats, refs, release_ref, inits, release_init, detail and reference_path is not None,
                        list(thresholds), list(rel_thresholds), _wide(device), put=put)
-    if not _chunked(flats):
+    if _blockwise(flats):
+        out = _block_pass(sums, device)
+    elif not _chunked(flats):
         out = sums.whole()
     else:
         out = _chunked_pass(sums, device, fused)
@@ -2197,26 +2206,79 @@ def streamed_weight_changes(named: List[tuple], reference_path: Optional[str] = 
 
 
 def _chunked_pass(sums: _ChangePass, device: torch.device, fused: bool) -> Dict[str, torch.Tensor]:
-    """sums over CHUNK_BYTES pieces, split over _chunked_pass_threads threads, through the fused kernels that
-    are ready."""
-    parts = _split_evenly(chunk_spans(sums.flats), _chunked_pass_threads(sums))
-    stream = _callers_stream(sums.flats)
+    """sums of weights in CPU memory over CHUNK_BYTES pieces, split over _pass_threads threads, through the
+    fused kernels that are ready."""
+    parts = _split_evenly(chunk_spans(sums.flats), _pass_threads(sums.flats))
     with _FUSED.free() if fused else contextlib.nullcontext(False) as free, _one_cpu_thread():
-        if free and device.type != "mps" and not torch.compiler.is_compiling():
+        if free and not torch.compiler.is_compiling():
             _take_kernels(sums, device)
-        return sums.combine(_concurrently(*[lambda part=part: _on_stream(stream, lambda: sums.accumulate(part))
-                                            for part in parts]), device)
+        return sums.combine(_concurrently(*[lambda part=part: sums.accumulate(part) for part in parts]), device)
 
 
-def _chunked_pass_threads(sums: _ChangePass) -> int:
-    """_pass_threads for weights in CPU memory. For weights on a CUDA device, as many threads for as large a
-    model when files are read: there the pass waits on copying the files' chunks into pinned memory (see
-    _Scratch.as_float), host work that threads share, while the device's part is small."""
-    if sums.flats[0].device.type != "cuda":
-        return _pass_threads(sums.flats)
-    if sums.refs is None and sums.inits is None or not _large_pass(sums.flats):
-        return 1
-    return _core_threads()
+def _block_pass(sums: _ChangePass, device: torch.device) -> Dict[str, torch.Tensor]:
+    """The sums of weights on a device, block by block (DEVICE_BLOCK_BYTES): each block's pieces of each file
+    are gathered by one host copy into a pinned buffer and sent over in one transfer, and the block is measured
+    with whole()'s list-wide ops. On a GPU the pass waits on the host, not the device, so what counts is how
+    few calls it makes: a block costs about as many as one tensor did chunk by chunk."""
+    totals: Dict[str, torch.Tensor] = {}
+    for block in _device_blocks(sums.flats):
+        dev = sums.flats[block[0][0]].device
+        part = _ChangePass([sums.flats[i][start:start + n] for i, start, n in block],
+                           _staged(sums.refs, block, dev), None, _staged(sums.inits, block, dev), None,
+                           sums.detail, sums.thresholds, sums.rel_thresholds, sums.wide).whole()
+        for release in (sums.release_ref, sums.release_init):
+            for i, start, n in block if release is not None else ():
+                release(i, start, n)
+        owners = torch.tensor([i for i, _, _ in block], device=device)
+        for key, values in part.items():
+            values = values.to(device, sums.wide if values.is_floating_point() else values.dtype)
+            if key not in totals:
+                totals[key] = values.new_zeros((len(sums.flats),) + values.shape[1:])
+            if key == "max_abs":
+                totals[key].scatter_reduce_(0, owners, values, "amax")
+            else:
+                totals[key].index_add_(0, owners, values)
+    for key in ("weight_sq", "delta_sq", "drift_sq"):
+        if key in totals:
+            totals[key] = totals[key].float()
+    return totals
+
+
+def _blockwise(flats: List[torch.Tensor]) -> bool:
+    """Whether the pass over these weights goes block by block (_block_pass): when any is on a device."""
+    return any(w.device.type != "cpu" for w in flats)
+
+
+def _device_blocks(flats: List[torch.Tensor]) -> List[List[tuple]]:
+    """(tensor index, start, elements) pieces of the tensors, in order, cut into blocks of at most
+    DEVICE_BLOCK_BYTES whose pieces share a device and a dtype (a block is one buffer of the files)."""
+    blocks: List[List[tuple]] = []
+    size = 0
+    for i, flat in enumerate(flats):
+        per_block = max(DEVICE_BLOCK_BYTES // flat.element_size(), 1)
+        for start in range(0, flat.numel(), per_block):
+            n = min(per_block, flat.numel() - start)
+            last = flats[blocks[-1][-1][0]] if blocks else None
+            if last is None or (last.device, last.dtype) != (flat.device, flat.dtype) or \
+                    size + n * flat.element_size() > DEVICE_BLOCK_BYTES:
+                blocks.append([])
+                size = 0
+            blocks[-1].append((i, start, n))
+            size += n * flat.element_size()
+    return blocks
+
+
+def _staged(files: Optional[List[torch.Tensor]], block: List[tuple], dev: torch.device) -> Optional[List[torch.Tensor]]:
+    """A block's pieces of a file's tensors on `dev`, in their _work_dtype: copied by one call into one (pinned,
+    for a CUDA device) buffer, which goes over in one transfer while the caller goes on; torch's caching host
+    allocator hands the buffer out again only once that transfer has finished."""
+    if files is None:
+        return None
+    pieces = [files[i].view(-1)[start:start + n] for i, start, n in block]
+    host = torch.empty(sum(n for *_, n in block), dtype=pieces[0].dtype, pin_memory=dev.type == "cuda")
+    torch.cat(pieces, out=host)
+    moved = host.to(dev, non_blocking=True)
+    return list(moved.to(_work_dtype(moved.dtype)).split([n for *_, n in block]))
 
 
 def _take_kernels(sums: _ChangePass, device: torch.device) -> None:

@@ -317,3 +317,30 @@ def test_a_compile_leaves_the_random_numbers_as_they_were(monkeypatch):
     assert callable(fused.kernels[key]), fused.kernels[key]
     draws = torch.rand(20).tolist()
     assert draws == torch.rand(20, generator=torch.Generator().manual_seed(1234)).tolist()
+
+
+@pytest.mark.parametrize("detail", [False, True], ids=["norms", "param_change"])
+def test_device_block_pass_matches_float64_and_the_chunked_counts(tmp_path, monkeypatch, detail):
+    """Weights on a GPU are passed block by block (here forced on the CPU, with blocks of 64 KiB): tensors cut
+    across blocks, blocks cut where the dtype changes (bf16 and float32 tensors), an empty tensor; the sums
+    as float64 ones of the same tensors, the counts exactly the chunked pass's."""
+    gen = torch.Generator().manual_seed(5)
+    w, r, w0 = tensors(2)
+    extra = [torch.randn(70_001, generator=gen).bfloat16(), torch.randn(3, generator=gen).bfloat16(), torch.zeros(0)]
+    w += extra
+    r += [t + (1e-2 * torch.randn(t.shape, generator=gen)).to(t.dtype) for t in extra]
+    w0 += [t + (1e-1 * torch.randn(t.shape, generator=gen)).to(t.dtype) for t in extra]
+    named, ref, init = files(tmp_path, w, r, w0)
+    monkeypatch.setattr(telemetry, "WHOLE_PASS_BYTES", 0)
+    chunked = changes(named, ref, init, False, detail)
+    monkeypatch.setattr(telemetry, "_blockwise", lambda flats: True)
+    monkeypatch.setattr(telemetry, "DEVICE_BLOCK_BYTES", 64 << 10)
+    blocks = telemetry._device_blocks([t.reshape(-1) for t in w])
+    assert len(blocks) > 100 and any(len(b) > 1 for b in blocks)
+    assert all(len({w[i].dtype for i, *_ in b}) == 1 for b in blocks)
+    got = changes(named, ref, init, False, detail)
+    want = float64_sums(w, r, w0)
+    for key in ("weight_sq", "delta_sq", "drift_sq") + (("l1", "sum", "max_abs") if detail else ()):
+        assert got[key].tolist() == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    for key in ("flips", "below", "below_rel") if detail else ():
+        assert torch.equal(got[key], chunked[key]), key
