@@ -83,8 +83,9 @@ PARALLEL_PASS_BYTES = 32 << 20  # a streamed pass over fewer CPU bytes than this
 MAX_PASS_THREADS = 4  # memory bandwidth stops growing with threads well before the core count does
 WHOLE_PASS_BYTES = 16 << 20  # up to this many trainable bytes the pass takes whole tensors, list-wide
 # Weights on a GPU are passed in blocks of this many bytes of the files: a few host copies and list-wide ops
-# per block, where chunks of CHUNK_BYTES cost the host a dozen calls each; a few blocks are in flight at once.
-DEVICE_BLOCK_BYTES = 8 << 20
+# per block, where chunks of CHUNK_BYTES cost the host a dozen calls each. A few blocks of each file are in
+# flight at once, in pinned host memory and on the device.
+DEVICE_BLOCK_BYTES = 32 << 20
 # A tensor smaller than this costs more per op or write than its bytes: on the CPU, tensors of one shape are
 # stacked to be measured together, and runs of them (on any device) are written to a file as one block.
 SMALL_TENSOR_BYTES = 64 << 10
@@ -2229,7 +2230,7 @@ def _block_pass(sums: _ChangePass, device: torch.device) -> Dict[str, torch.Tens
         for release in (sums.release_ref, sums.release_init):
             for i, start, n in block if release is not None else ():
                 release(i, start, n)
-        owners = torch.tensor([i for i, _, _ in block], device=device)
+        owners = _to_device(torch.tensor([i for i, _, _ in block]), device)  # no wait: the next block's copy goes on
         for key, values in part.items():
             values = values.to(device, sums.wide if values.is_floating_point() else values.dtype)
             if key not in totals:
