@@ -80,16 +80,29 @@ $PY bench/compare.py "$@"
     echo
     echo "## On a GPU"
     echo
-    echo "Measured on a lent GPU machine, not by this script (CI and this machine have no GPU), by bench/gpu_cost.py"
-    echo "as it was at commit 2d17c01, which also waited up to --compile-wait seconds for a background compile that"
-    echo "telemetry.py no longer runs: the figures of bench/gpu/h200.json, from \`python3 bench/gpu_cost.py --block 10"
-    echo "--rounds 4 --collections 6 --compile-wait 60 --json bench/gpu/h200.json\`, then, in the same call on the same"
-    echo "machine, the baseline, bench/gpu/h200_baseline.json, from \`python3 bench/gpu_cost.py --telemetry"
-    echo "OLD_TELEMETRY_PY --configs ours:1 --block 10 --rounds 3 --collections 6 --compile-wait 30 --json"
-    echo "bench/gpu/h200_baseline.json\`. The fused kernels were not used there: that torch's compiled functions have"
-    echo "no aot_compile, so the eager ops served. The figures predate the later telemetry.py: they were not measured"
-    echo "again, for want of a GPU. Run now, the same commands go without --compile-wait."
-    echo "Printed by \`$PY bench/gpu_cost.py --from-json bench/gpu/h200.json --baseline-json bench/gpu/h200_baseline.json\`:"
+    echo "Measured on a lent machine with one H100 (Firecracker, 16 cores), not by this script (CI and this machine"
+    echo "have no GPU), in one call: bench/gpu/h100.json from \`python3 bench/gpu_cost.py --block 10 --rounds 3"
+    echo "--collections 6 --json bench/gpu/h100.json\` on telemetry.py of 5362902; then bench/gpu/h100_baseline.json from"
+    echo "\`python3 bench/gpu_cost.py --telemetry OLD_TELEMETRY_PY --configs ours:1 --block 10 --rounds 3 --collections 4"
+    echo "--json bench/gpu/h100_baseline.json\`, OLD_TELEMETRY_PY being telemetry.py of a569fb6, whose weight pass went in"
+    echo "2 MiB chunks on four threads; 5362902 passes weights on a GPU in blocks of 8 MiB. The next commit, 83d9dc9,"
+    echo "takes blocks of 32 MiB and drops a wait per block that 5362902 made; it was not measured on a GPU (the"
+    echo "device time was spent), and the tables below are 5362902's."
+    echo "Printed by \`$PY bench/gpu_cost.py --from-json bench/gpu/h100.json --baseline-json bench/gpu/h100_baseline.json\`:"
     echo
-    $PY bench/gpu_cost.py --from-json bench/gpu/h200.json --baseline-json bench/gpu/h200_baseline.json
+    $PY bench/gpu_cost.py --from-json bench/gpu/h100.json --baseline-json bench/gpu/h100_baseline.json
+    echo
+    echo "An earlier call, on another lent H100, measured telemetry.py of a569fb6 alone, bench/gpu/h100_earlier_call.json,"
+    echo "from \`python3 bench/gpu_cost.py --block 10 --rounds 4 --collections 6 --json bench/gpu/h100_earlier_call.json\`."
+    echo "Printed by \`$PY bench/gpu_cost.py --from-json bench/gpu/h100_earlier_call.json\`:"
+    echo
+    $PY bench/gpu_cost.py --from-json bench/gpu/h100_earlier_call.json
+    echo
+    echo "The pass alone on GPT-2's weights (ms, medians of 5), in the call of bench/gpu/h100.json: bench/gpu/h100_pass.json"
+    echo "from \`python3 bench/gpu_pass.py --baseline OLD_TELEMETRY_PY --json bench/gpu/h100_pass.json\` (run as a scratch"
+    echo "copy of that script with the baseline's path written in); pass_new_blockNM is 5362902's pass with"
+    echo "DEVICE_BLOCK_BYTES at N MiB, each with its wait per block. Printed by"
+    echo "\`$PY bench/gpu_pass.py --from-json bench/gpu/h100_pass.json\`:"
+    echo
+    $PY bench/gpu_pass.py --from-json bench/gpu/h100_pass.json
 } >> bench/RESULTS.md
