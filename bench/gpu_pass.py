@@ -47,7 +47,9 @@ def main():
     if args.from_json:
         with open(args.from_json) as f:
             for key, value in json.load(f).items():
-                print(f"- {key}: {value:.3g}" if isinstance(value, float) else f"- {key}: {value}")
+                if isinstance(value, float):
+                    value = f"{value:.2e}" if key.startswith("drift") else f"{value:.1f} ms"
+                print(f"- {key}: {value}")
         return
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
