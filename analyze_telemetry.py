@@ -582,6 +582,8 @@ def _holdout(run: Run) -> Holdout | None:
         rows = read
         _notice(run, "the holdout's single outputs lie in [0, 1] at every evaluation: read as probabilities "
                      "(class 1 above 0.5, the loss as binary cross-entropy on them), not as logits")
+    elif kind == "classification":
+        rows = _single_logits(rows)
     n, keep, correct = _holdout_matrix(rows, kind)
     num_classes, labels = _holdout_classes(rows, keep) if kind == "classification" else (None, None)
     return Holdout(
@@ -602,24 +604,46 @@ def _holdout(run: Run) -> Holdout | None:
 
 def _single_probabilities(rows: list):
     """The rows with predictions, accuracy and loss recomputed from probabilities, when a binary classifier's
-    one output per example lies in [0, 1] at every evaluation (3 or more): a model ending in a sigmoid,
-    trained with BCELoss, whose outputs telemetry reads as logits (class 1 above 0, where every probability
-    is). A model of logits leaves [0, 1] once it has learned anything (class 0 gets negative ones). None
-    otherwise."""
+    one output per example lies in [0, 1] at every evaluation (3 or more, or as few as telemetry read as
+    probabilities at every one): a model ending in a sigmoid, trained with BCELoss, whose outputs a telemetry
+    that reads them as logits records as class 1 above 0, where every probability is. A model of logits
+    leaves [0, 1] once it has learned anything (class 0 gets negative ones). None otherwise."""
     read = []
     for step, h in rows:
-        p, y = h.get("logits"), h.get("labels")
-        if not (h.get("num_classes") == 2 and isinstance(p, list) and isinstance(y, list) and len(p) == len(y)
-                and p and all(_has_type(v, (int, float)) and 0 <= v <= 1 for v in p)
-                and all(v in (0, 1) for v in y)):
+        p, y = _single_outputs(h)
+        if p is None or not np.all((p >= 0) & (p <= 1)):
             return None
-        p, y = np.array(p, dtype=float), np.array(y, dtype=float)
         pred = (p > 0.5).astype(int)
         eps = 1e-7
         loss = -np.mean(y * np.log(np.clip(p, eps, 1)) + (1 - y) * np.log(np.clip(1 - p, eps, 1)))
         read.append((step, {**h, "predictions": pred.tolist(), "accuracy": float(np.mean(pred == y)),
                             "loss": float(loss)}))
-    return read if len(read) >= 3 else None
+    return read if len(read) >= 3 or read and all(h.get("probabilities") is True for _, h in rows) else None
+
+
+def _single_logits(rows: list) -> list:
+    """The rows, with those telemetry read as probabilities (its outputs had not yet left [0, 1]) read as
+    logits again, as the run's later outputs show them to be: class 1 above 0, the loss as binary
+    cross-entropy on their sigmoid."""
+    read = []
+    for step, h in rows:
+        x, y = _single_outputs(h) if h.get("probabilities") is True else (None, None)
+        if x is not None:
+            pred = (x > 0).astype(int)
+            loss = np.mean(np.logaddexp(0, x) - y * x)  # -[y log s(x) + (1 - y) log(1 - s(x))]
+            h = {**h, "predictions": pred.tolist(), "accuracy": float(np.mean(pred == y)), "loss": float(loss),
+                 "probabilities": False}
+        read.append((step, h))
+    return read
+
+
+def _single_outputs(h: dict) -> tuple:
+    """(outputs, labels) as float arrays of a binary classifier with one output per example, or (None, None)."""
+    p, y = h.get("logits"), h.get("labels")
+    if not (h.get("num_classes") == 2 and isinstance(p, list) and isinstance(y, list) and len(p) == len(y)
+            and p and all(_has_type(v, (int, float)) for v in p) and all(v in (0, 1) for v in y)):
+        return None, None
+    return np.array(p, dtype=float), np.array(y, dtype=float)
 
 
 def _holdout_matrix(rows: list, kind: str):

@@ -441,18 +441,28 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.to_dense() if t.is_sparse else t
 
 
-def classification_holdout(logits: torch.Tensor, labels: torch.Tensor) -> Dict[str, Any]:
+def classification_holdout(logits: torch.Tensor, labels: torch.Tensor,
+                           maybe_probabilities: Optional[torch.Tensor] = None) -> Dict[str, Any]:
     """Accuracy, mean loss and per-example predictions for [N, C] (or [N] / [N, 1] binary) logits.
 
-    Binary single-logit outputs use sigmoid/BCE with prediction = logit > 0; otherwise softmax/CE with
-    prediction = argmax. Returns tensors; nothing is moved to the host here.
+    [N, C] outputs use softmax/CE with prediction = argmax. One output per example is a logit (sigmoid/BCE,
+    prediction = output > 0), unless `maybe_probabilities` (a bool tensor: no earlier evaluation's outputs
+    left [0, 1]) is given and true and every output lies in [0, 1]: then they are probabilities, a model
+    ending in a sigmoid, trained with BCELoss (BCE on them, prediction = output > 0.5), and the section's
+    `probabilities` is true. A model of logits leaves [0, 1] once it has learned anything (class 0 gets
+    negative ones). Returns tensors; nothing is moved to the host here (the reading is chosen on the device).
     """
     logits = logits.detach().float()
     labels = labels.detach().to(logits.device).reshape(-1)
+    probabilities = None
     if logits.dim() == 1 or logits.shape[-1] == 1:
         logits = logits.reshape(-1)
         predictions = (logits > 0).long()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float())
+        if maybe_probabilities is not None:
+            probabilities = maybe_probabilities.to(logits.device) & ((logits >= 0) & (logits <= 1)).all()
+            predictions = torch.where(probabilities, (logits > 0.5).long(), predictions)
+            loss = torch.where(probabilities, _probability_bce(logits, labels.float()), loss)
         num_classes = 2
     else:
         predictions = logits.argmax(-1)
@@ -463,7 +473,16 @@ def classification_holdout(logits: torch.Tensor, labels: torch.Tensor) -> Dict[s
         out["logits"] = logits
     out.update(labels=labels.long(), predictions=predictions,
                accuracy=(predictions == labels.long()).float().mean(), loss=loss, num_classes=num_classes)
+    if probabilities is not None:
+        out["probabilities"] = probabilities
     return out
+
+
+def _probability_bce(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # By hand, not F.binary_cross_entropy: on CUDA that asserts on the device for an input outside [0, 1] (a
+    # NaN too), which ends the process's CUDA context. Clamped as the analyzer reads probabilities.
+    p = p.clamp(0, 1)
+    return -(y * p.clamp_min(1e-7).log() + (1 - y) * (1 - p).clamp_min(1e-7).log()).mean()
 
 
 def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
@@ -4517,6 +4536,9 @@ class _Holdout:
         self.regression = False
         self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
         self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
+        # A bool on the device: no evaluation so far had one output per example outside [0, 1] (see
+        # classification_holdout). None before the first.
+        self.probabilities: Optional[torch.Tensor] = None
 
     def set(self, data: Any, forward: Optional[Callable], labels: Optional[Callable], output: Any) -> int:
         """Keep the first holdout_size examples, refusing here what could not be used later; returns how
@@ -4542,7 +4564,7 @@ class _Holdout:
                 raise ValueError("set_holdout_data: (inputs..., labels) batches run model(*inputs), and these "
                                  "inputs are not all tensors; pass forward=lambda model, batch: ...")
             found.append(got)
-        self.batches, self.on_device = batches, {}
+        self.batches, self.on_device, self.probabilities = batches, {}, None
         self.forward, self.labels, self.output = forward, labels, output
         self.regression = any(is_regression_target(t) for t in found)
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
@@ -4617,7 +4639,11 @@ class _Holdout:
         outputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(p[1].shape[0], -1) for p in parts])
         if self.regression:
             return regression_holdout(outputs, targets)
-        return classification_holdout(outputs, targets.reshape(-1))
+        so_far = self.probabilities if self.probabilities is not None else torch.ones((), dtype=torch.bool,
+                                                                                        device=outputs.device)
+        out = classification_holdout(outputs, targets.reshape(-1), so_far)
+        self.probabilities = out.get("probabilities", self.probabilities)
+        return out
 
 
 def sparse_quality(layout: _Layout, model: torch.nn.Module, holdout: _Holdout, batches: List[Any],

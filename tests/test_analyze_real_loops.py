@@ -689,10 +689,10 @@ def test_a_regression_output_broadcast_against_its_targets_is_hinted(tmp_path):
 
 def test_a_sigmoid_output_trained_with_bce_is_read_as_probabilities(tmp_path):
     """Breast cancer, one output per example: nn.Sigmoid last and BCELoss, or the logit and
-    BCEWithLogitsLoss (the same model, trained the same). Telemetry records the one output as a logit, class
-    1 above 0, where every probability is: the holdout read as always class 1, at chance, and a
-    class_imbalance false alarm. The analyzer reads outputs that stay in [0, 1] at every evaluation as
-    probabilities: the holdout's accuracy is the one a manual eval pass gives, and nothing is found."""
+    BCEWithLogitsLoss (the same model, trained the same). Read as logits, probabilities are all class 1 (above
+    0): the holdout at chance, and a class_imbalance false alarm. Outputs that stay in [0, 1] are read as
+    probabilities, by telemetry (its records and mirrors) and by the analyzer: the holdout's accuracy and
+    loss are what a manual eval pass and torch's own loss give, and nothing is found."""
     from sklearn.datasets import load_breast_cancer
 
     x, y, _ = standardized(load_breast_cancer, fit=300)
@@ -710,9 +710,45 @@ def test_a_sigmoid_output_trained_with_bce_is_read_as_probabilities(tmp_path):
         with torch.no_grad():
             out = model(x[held])[:, 0]
             manual = float(((out > (0.5 if sigmoid else 0.0)).float() == y[held]).float().mean())
+            manual_loss = float((F.binary_cross_entropy if sigmoid else F.binary_cross_entropy_with_logits)(
+                out.double(), y[held].double()))
         assert h.accuracy[-1] == pytest.approx(manual) and manual > 0.9
+        recorded = [r["holdout_logits"] for r in run.records if isinstance(r.get("holdout_logits"), dict)]
+        assert all(r["probabilities"] is sigmoid for r in recorded)
+        assert recorded[-1]["accuracy"] == pytest.approx(manual)
+        assert recorded[-1]["loss"] == pytest.approx(manual_loss, rel=1e-4)
         assert not {c for c, f in found.items() if f.severity != "info"}, {c: f.message for c, f in found.items()}
         assert any("read as probabilities" in n for n in run.notices) == sigmoid
+
+
+def test_logits_that_start_inside_0_1_are_logits_once_they_leave_it(tmp_path):
+    """A logit model (BCEWithLogitsLoss) whose outputs start in [0.4, 0.6]: telemetry cannot tell them from
+    probabilities until they leave [0, 1], and reads its first evaluations so (marked). The analyzer reads
+    them as logits again, as the later evaluations show the outputs to be: at the first, every example is class
+    1 (output above 0); at the last, the accuracy of a manual eval pass. No notice of probabilities."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y, _ = standardized(load_breast_cancer, fit=300)
+    y = y.float()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(0.01)
+        model[2].bias.fill_(0.5)
+    sampled_run(tmp_path, model, x[:300], y[:300], (x[300:360], y[300:360]), 401, 16,
+                loss_fn=lambda out, t: F.binary_cross_entropy_with_logits(out[:, 0], t))
+    run, found = codes(tmp_path)
+    recorded = [r["holdout_logits"] for r in run.records if isinstance(r.get("holdout_logits"), dict)]
+    assert recorded[0]["probabilities"] is True and recorded[-1]["probabilities"] is False
+    assert all(0.4 <= v <= 0.6 for v in recorded[0]["logits"])
+    h = at.holdout_data(run)
+    assert h.accuracy[0] == pytest.approx(float(np.mean(h.labels == 1)))
+    assert recorded[0]["accuracy"] != pytest.approx(h.accuracy[0])   # what telemetry's reading said
+    held = slice(300, 300 + len(h.labels))
+    with torch.no_grad():
+        manual = float(((model(x[held])[:, 0] > 0).float() == y[held]).float().mean())
+    assert h.accuracy[-1] == pytest.approx(manual) and manual > 0.9
+    assert not any("read as probabilities" in n for n in run.notices)
 
 
 def test_a_few_hard_rare_holdout_examples_are_no_class_imbalance(tmp_path):
