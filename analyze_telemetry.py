@@ -1169,29 +1169,58 @@ def _probability_outputs(h: Holdout):
     return None
 
 
+def _binary_probability_outputs(h: Holdout):
+    """The share of class 1 among the holdout's labels when a binary classifier's one output per example lies in
+    [0, 1] at each of the last three evaluations (a final sigmoid); None otherwise."""
+    if h is None or h.kind != "classification" or len(h.raw) < 3:
+        return None
+    for ev in h.raw[-3:]:
+        p, y = _single_outputs(ev)
+        if p is None or not np.all((p >= 0) & (p <= 1)):
+            return None
+    return float(np.mean(y))
+
+
 def check_probability_outputs(run: Run) -> list:
     """A model that ends in a softmax, trained with a loss that applies its own (CrossEntropyLoss): on
     probabilities of K classes that loss cannot go below log(1 + (K - 1) / e), the value of a one-hot output,
     so every batch's loss stays at or above it, and a model that has learned sits just above it with its
-    gradients squashed. A loss that takes the log of the probabilities itself (NLLLoss) falls below it."""
-    k = _probability_outputs(holdout_data(run))
+    gradients squashed. A loss that takes the log of the probabilities itself (NLLLoss) falls below it.
+    The same for one output per example that ends in a sigmoid, trained with BCEWithLogitsLoss: on p in
+    [0, 1] it gives class 1 at least log(1 + 1/e) (at p = 1) and class 0 at least log 2 (at p = 0), so a
+    batch's loss never goes below the first, and a model that has learned sits near the labels' mix of the two.
+    BCELoss, which takes the probabilities as they are, falls below both."""
+    h = holdout_data(run)
     loss = _finite(column(run, "loss"))
-    if k is None or len(loss) < 5:
+    k, share = _probability_outputs(h), _binary_probability_outputs(h)
+    if (k is None and share is None) or len(loss) < 5:
         return []
-    floor = math.log1p((k - 1) / math.e)
+    if k is not None:
+        floor = least = math.log1p((k - 1) / math.e)
+        what = (f"the model's outputs are probabilities (every holdout row of the last three evaluations lies in "
+                f"[0, 1] and sums to 1), and the train loss never went below {_fmt(floor)}, the least "
+                f"CrossEntropyLoss gives on probabilities of {k} classes (a one-hot output)")
+        cause = "the loss applies a softmax to outputs that already had one"
+        hint = ("Drop the final Softmax and give CrossEntropyLoss the logits (it applies log-softmax itself); or keep "
+                "probabilities for inference and train on LogSoftmax outputs with NLLLoss. The holdout's loss in these "
+                "records takes the outputs as logits too.")
+    else:
+        least = math.log1p(1 / math.e)
+        floor = share * least + (1 - share) * math.log(2)
+        what = (f"the model's one output per example is a probability (the holdout's outputs lie in [0, 1] at the last "
+                f"three evaluations), and the train loss never went below {_fmt(least)}, the least BCEWithLogitsLoss "
+                f"gives class 1 on a probability (class 0 gets at least {_fmt(math.log(2))}); for these labels' mix "
+                f"({_fmt(share)} of class 1) that is {_fmt(floor)}")
+        cause = "the loss applies a sigmoid to outputs that already had one"
+        hint = ("Drop the final Sigmoid and give BCEWithLogitsLoss the logits (it applies the sigmoid itself); or keep "
+                "the sigmoid and train with BCELoss.")
     late = _edge_median(loss, "last")
-    if loss.min() < floor * (1 - 1e-4) or late > 1.1 * floor:
+    if loss.min() < least * (1 - 1e-4) or late > 1.1 * floor:
         return []
     st = steps(run)
-    return [Finding(
-        "probability_outputs", "warning",
-        f"the model's outputs are probabilities (every holdout row of the last three evaluations lies in [0, 1] and "
-        f"sums to 1), and the train loss never went below {_fmt(floor)}, the least CrossEntropyLoss gives on "
-        f"probabilities of {k} classes (a one-hot output), ending at {_fmt(late)}: the loss applies a softmax to "
-        "outputs that already had one, which caps it there and squashes the gradients.", _steps_list([st[0], st[-1]]),
-        hint="Drop the final Softmax and give CrossEntropyLoss the logits (it applies log-softmax itself); or keep "
-             "probabilities for inference and train on LogSoftmax outputs with NLLLoss. The holdout's loss in these "
-             "records takes the outputs as logits too.")]
+    return [Finding("probability_outputs", "warning",
+                    f"{what}, ending at {_fmt(late)}: {cause}, which caps it there and squashes the gradients.",
+                    _steps_list([st[0], st[-1]]), hint=hint)]
 
 
 def _standing_still(run: Run, g: str):
@@ -2847,8 +2876,8 @@ FINDINGS = {
                           "it does (learning_rate for lr): that setting was never applied"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
     "probability_outputs": (("warning",), "analyzer", "the model's outputs are probabilities, and the train loss "
-                            "stays at the floor CrossEntropyLoss has on them: a softmax before a loss that applies "
-                            "its own"),
+                            "stays at the floor CrossEntropyLoss or BCEWithLogitsLoss has on them: a softmax or "
+                            "sigmoid before a loss that applies its own"),
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),

@@ -547,6 +547,33 @@ def test_a_softmax_before_cross_entropy_is_named(tmp_path):
     assert fresh["logits+ce"] < 0.5 * floor and fresh["softmax+nll"] < 0.5 * floor
 
 
+def test_a_sigmoid_before_bce_with_logits_is_named(tmp_path):
+    """Breast cancer, nn.Sigmoid last, trained with BCEWithLogitsLoss (a sigmoid applied twice): on p in [0, 1]
+    that loss gives class 1 at least log(1 + 1/e) and class 0 at least log 2, so the train loss stays near the
+    labels' mix of the two, on fresh examples too, while the model's own outputs, read as probabilities, score
+    those examples far below it. probability_outputs names it, alone. (The sigmoid with BCELoss, and the
+    logit with BCEWithLogitsLoss, get nothing: test_a_sigmoid_output_trained_with_bce_is_read_as_probabilities.)"""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y, _ = standardized(load_breast_cancer, fit=300)
+    y = y.float()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 1), nn.Sigmoid())
+    sampled_run(tmp_path, model, x[:300], y[:300], (x[300:360], y[300:360]), 401, 16,
+                loss_fn=lambda out, t: F.binary_cross_entropy_with_logits(out[:, 0], t))
+    least = math.log1p(1 / math.e)
+    floor = least * float(y[300:360].mean()) + math.log(2) * (1 - float(y[300:360].mean()))
+    with torch.no_grad():
+        p = model(x[360:])[:, 0]
+    assert floor * 0.95 < F.binary_cross_entropy_with_logits(p, y[360:]).item() < 1.1 * floor   # at the cap
+    assert F.binary_cross_entropy(p, y[360:]).item() < 0.5 * floor      # the outputs themselves are good
+    run, found = codes(tmp_path)
+    assert {c for c, f in found.items() if f.severity != "info"} == {"probability_outputs"}
+    f = found["probability_outputs"]
+    assert f"never went below {least:.3g}" in f.message and "BCEWithLogitsLoss" in f.message
+    assert "Drop the final Sigmoid" in f.hint
+
+
 def test_gradients_never_zeroed_are_named_and_told_apart_from_zeroing(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and no zero_grad(): backward() adds into the same gradient
     tensors at every step, each step applies the sum of all gradients so far, and the run blows up (fresh
