@@ -1181,6 +1181,22 @@ def _binary_probability_outputs(h: Holdout):
     return float(np.mean(y))
 
 
+def _binary_loss_floors(run: Run, share: float, least: float) -> tuple:
+    """(train losses, the least BCEWithLogitsLoss gives each one's batch on probabilities, the share of class 1
+    they saw): least for class 1, log 2 for class 0, mixed as each recorded batch's labels are (batch_stats),
+    or as the holdout's (`share`) where the records hold no counts."""
+    loss, st = column(run, "loss"), steps(run)
+    s1 = np.full(len(loss), share)
+    counts = _batch_counts(run)
+    if counts is not None and "1" in counts[0]:
+        names, m, size, at_steps = counts
+        by_step = dict(zip(at_steps.tolist(), (m[:, names.index("1")] / np.maximum(size, 1)).tolist()))
+        s1 = np.array([by_step.get(s, np.nan) for s in st.tolist()])
+    keep = np.isfinite(loss) & np.isfinite(s1)
+    s1 = s1[keep]
+    return loss[keep], s1 * least + (1 - s1) * math.log(2), float(np.mean(s1)) if len(s1) else share
+
+
 def check_probability_outputs(run: Run) -> list:
     """A model that ends in a softmax, trained with a loss that applies its own (CrossEntropyLoss): on
     probabilities of K classes that loss cannot go below log(1 + (K - 1) / e), the value of a one-hot output,
@@ -1197,6 +1213,7 @@ def check_probability_outputs(run: Run) -> list:
         return []
     if k is not None:
         floor = least = math.log1p((k - 1) / math.e)
+        floors = np.full(len(loss), floor)
         what = (f"the model's outputs are probabilities (every holdout row of the last three evaluations lies in "
                 f"[0, 1] and sums to 1), and the train loss never went below {_fmt(floor)}, the least "
                 f"CrossEntropyLoss gives on probabilities of {k} classes (a one-hot output)")
@@ -1206,17 +1223,19 @@ def check_probability_outputs(run: Run) -> list:
                 "records takes the outputs as logits too.")
     else:
         least = math.log1p(1 / math.e)
-        floor = share * least + (1 - share) * math.log(2)
+        loss, floors, share = _binary_loss_floors(run, share, least)
+        floor = _edge_median(floors, "last")
         what = (f"the model's one output per example is a probability (the holdout's outputs lie in [0, 1] at the last "
                 f"three evaluations), and the train loss never went below {_fmt(least)}, the least BCEWithLogitsLoss "
-                f"gives class 1 on a probability (class 0 gets at least {_fmt(math.log(2))}); for these labels' mix "
-                f"({_fmt(share)} of class 1) that is {_fmt(floor)}")
+                f"gives class 1 on a probability (class 0 gets at least {_fmt(math.log(2))}); for the batches' mix of "
+                f"labels ({_fmt(share)} of class 1) that is {_fmt(floor)}")
         cause = "the loss applies a sigmoid to outputs that already had one"
         hint = ("Drop the final Sigmoid and give BCEWithLogitsLoss the logits (it applies the sigmoid itself); or keep "
                 "the sigmoid and train with BCELoss.")
-    late = _edge_median(loss, "last")
-    if loss.min() < least * (1 - 1e-4) or late > 1.1 * floor:
+    # each batch's loss against its own floor (the mix of its labels, for one output), over the last records
+    if len(loss) < 5 or loss.min() < least * (1 - 1e-4) or _edge_median(loss / floors, "last") > 1.1:
         return []
+    late = _edge_median(loss, "last")
     st = steps(run)
     return [Finding("probability_outputs", "warning",
                     f"{what}, ending at {_fmt(late)}: {cause}, which caps it there and squashes the gradients.",

@@ -135,13 +135,31 @@ class LogReg(nn.Module):
 
 
 def build_model(spec: Dict[str, Any], n_in: int, n_out: int) -> nn.Module:
-    arch = spec["arch"]
+    """`final`: "softmax" appends one to the head, "sigmoid" makes a binary head of one output with one (the
+    probability_outputs plant: the loss applies its own on top)."""
+    arch, final = spec["arch"], spec.get("final")
+    n_out = 1 if final == "sigmoid" else n_out
     if arch == "cnn":
-        return DigitsCNN(n_out)
-    if arch == "logreg":
-        return LogReg(n_in, n_out)
-    return MLP(n_in, spec.get("hidden", [128, 128]), n_out, spec.get("act", "relu"), spec.get("neck", 0),
-               spec.get("input_norm", False))
+        model = DigitsCNN(n_out)
+    elif arch == "logreg":
+        model = LogReg(n_in, n_out)
+    else:
+        model = MLP(n_in, spec.get("hidden", [128, 128]), n_out, spec.get("act", "relu"), spec.get("neck", 0),
+                    spec.get("input_norm", False))
+    if final:
+        model.head = nn.Sequential(model.head, nn.Softmax(-1) if final == "softmax" else nn.Sigmoid())
+    return model
+
+
+def _predicted(out: torch.Tensor) -> torch.Tensor:
+    """The class of each row: argmax, or for one output (a sigmoid's probability) whether it is above 0.5."""
+    return (out[:, 0] > 0.5).long() if out.shape[-1] == 1 else out.argmax(-1)
+
+
+def _classification_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What the runs train on: cross-entropy, or for one output BCEWithLogitsLoss (on a sigmoid's output, the
+    plant)."""
+    return F.binary_cross_entropy_with_logits(out[:, 0], y.float()) if out.shape[-1] == 1 else F.cross_entropy(out, y)
 
 
 def make_optimizer(model: nn.Module, spec: Dict[str, Any]) -> torch.optim.Optimizer:
@@ -251,8 +269,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, regression: boo
             loss = F.mse_loss(out, y).item()
             metric = 1.0 - loss / float(((y - y.mean()) ** 2).mean())
         else:
-            loss = F.cross_entropy(out, y).item()
-            metric = (out.argmax(-1) == y).float().mean().item()
+            loss = _classification_loss(out, y).item()
+            metric = (_predicted(out) == y).float().mean().item()
     model.train(was)
     return loss, metric
 
@@ -300,7 +318,7 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
                                                   if fmt == "dict" else None))
     telemetry.set_holdout_data(_as_batch(data.x["holdout"], data.y["holdout"], fmt, label_key))
 
-    loss_fn = (lambda out, y: F.mse_loss(out.reshape(-1), y)) if regression else F.cross_entropy
+    loss_fn = (lambda out, y: F.mse_loss(out.reshape(-1), y)) if regression else _classification_loss
     batches = _order(len(y_train), rng, spec, y_train.numpy())
     per_epoch = max(1, len(y_train) // spec["batch"])
     trace = Trace()
@@ -332,7 +350,7 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
         if plant == "not_in_optimizer":
             trace.neck_grad_norms.append(float(torch.cat([p.grad.reshape(-1) for p in model.neck.parameters()])
                                                .norm()))
-        acc = None if regression else (out.argmax(-1) == yb).float().mean()
+        acc = None if regression else (_predicted(out) == yb).float().mean()
         trace.losses.append(float(loss))
         if acc is not None:
             trace.train_acc.append(float(acc))
@@ -511,6 +529,23 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"neck grad x{growth:.0f}",
                        f"neck weights bit-identical to the start: {same}; its accumulated gradient norm grew "
                        f"{growth:.0f}x from the first step (needs >= 10x)")
+    if plant == "probability_outputs":  # the loss capped at its floor on probabilities; the outputs themselves good
+        x, y = ctx["data"].x["test"], ctx["data"].y["test"]
+        with torch.no_grad():
+            p = model.eval()(x)
+        if p.shape[-1] == 1:
+            share = float(ctx["y_train"].float().mean())
+            floor = share * math.log1p(1 / math.e) + (1 - share) * math.log(2)
+            own = F.binary_cross_entropy(p[:, 0].clamp(1e-7, 1 - 1e-7), y.float()).item()
+        else:
+            floor = math.log1p((p.shape[-1] - 1) / math.e)
+            own = F.nll_loss(p.clamp_min(1e-7).log(), y).item()
+        capped = t.test_loss[-1]
+        ok = floor * 0.95 <= capped <= 1.2 * floor and own < 0.5 * floor
+        return Verdict(ok, f"loss {capped:.3f} at floor {floor:.3f}",
+                       f"the loss trained on, on the test set: {capped:.3f} against its floor on probabilities "
+                       f"{floor:.3f} (needs 0.95-1.2x); the outputs' own log-loss {own:.3f} (needs < half the "
+                       f"floor); test acc {acc:.3f}")
     if plant == "unscaled_inputs":  # far off scale, and far below what the same data standardised allows
         x_train = ctx["x_train"]
         rms = float(x_train.double().square().mean().sqrt())
