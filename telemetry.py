@@ -2240,8 +2240,11 @@ def _block_pass(sums: _ChangePass, device: torch.device) -> Dict[str, torch.Tens
     are gathered by one host copy into a pinned buffer and sent over in one transfer, and the block is measured
     with whole()'s list-wide ops. On a GPU the pass waits on the host, not the device, so what counts is how
     few calls it makes: a block costs about as many as one tensor did chunk by chunk."""
+    blocks = _device_blocks(sums.flats)
+    if not blocks:  # every tensor empty (a rank's empty shards): whole() gives each key its zeros
+        return sums.whole()
     totals: Dict[str, torch.Tensor] = {}
-    for block in _device_blocks(sums.flats):
+    for block in blocks:
         dev = sums.flats[block[0][0]].device
         part = _ChangePass([sums.flats[i][start:start + n] for i, start, n in block],
                            _staged(sums.refs, block, dev), None, _staged(sums.inits, block, dev), None,

@@ -344,3 +344,8 @@ def test_device_block_pass_matches_float64_and_the_chunked_counts(tmp_path, monk
         assert got[key].tolist() == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     for key in ("flips", "below", "below_rel") if detail else ():
         assert torch.equal(got[key], chunked[key]), key
+    # a rank whose shards are all empty (FSDP2): every key, zero for each tensor
+    empty = [torch.zeros(0), torch.zeros(0, 3)]
+    named, ref, init = files(tmp_path, empty, empty, empty)
+    got = changes(named, ref, init, False, detail)
+    assert set(got) == set(chunked) and all(v.shape[-1] == 2 and not v.any() for v in got.values())
