@@ -1470,6 +1470,47 @@ def _chance_losses(run: Run):
     return math.log(h.num_classes), min(prior, math.log(h.num_classes))
 
 
+WEIGHTS_COLLAPSED = 5.0   # the weights' norm fell this many times over the run while the loss learned nothing
+
+
+def check_weights_collapsed(run: Run) -> list:
+    """The weights shrink toward 0 while the train loss learns nothing: a pull toward 0 stronger than the
+    loss's gradient (weight_decay that SGD or Adam add to every gradient, or an L2 penalty in the loss)
+    leaves a network whose outputs barely depend on its inputs. Its norm falls WEIGHTS_COLLAPSED times or
+    more from the first collection to the last fifth of the run, and the train loss ends at the level of a
+    model that knows only the label shares (or, where the run does not say that level, never fell)."""
+    norm, st = column(run, "weight_norm.overall"), steps(run)
+    ok = np.isfinite(norm)
+    norm, st = norm[ok], st[ok]
+    t = _loss_trend(run)
+    if len(norm) < 6 or t is None or not norm[0] > 0:
+        return []
+    last = float(np.median(norm[-max(3, int(math.ceil(0.2 * len(norm)))):]))
+    if last * WEIGHTS_COLLAPSED > norm[0]:
+        return []
+    _, prior = _chance_losses(run)
+    if prior is not None:
+        if abs(t.last - prior) > max(3 * t.se, 0.1 * prior):
+            return []   # it learned something: a smaller norm that still fits the data
+        level = f"ended at the chance level ({_fmt(t.last)} over the last fifth, against {_fmt(prior)} for a " \
+                "model that predicts only the label shares)"
+    elif _flat(t):
+        level = f"never fell ({_trend_text(t)})"
+    else:
+        return []
+    below = int(st[np.argmax(norm * WEIGHTS_COLLAPSED <= norm[0])])
+    optimizer = run.meta.get("optimizer") or "the optimizer"
+    return [Finding(
+        "weights_collapsed", "critical",
+        f"the weights shrank toward 0: their norm fell from {_fmt(norm[0])} at the first collection to "
+        f"{_fmt(last)} over the last fifth of the run (under a fifth of it from step {below} on), while the train "
+        f"loss {level}. Something pulls the weights to 0 harder than the loss's gradient pushes them out: the "
+        f"weight_decay that {optimizer} adds to every gradient, or an L2 penalty in the loss; a network with "
+        "weights near 0 outputs about the same for every input.", _steps_list([st[0], below]),
+        hint="Lower weight_decay (SGD and Adam add weight_decay x w to the gradient: 1e-4 to 5e-4 is usual there; "
+             "AdamW applies it apart from the gradient), or the L2 penalty's factor.")]
+
+
 def check_not_learning(run: Run) -> list:
     """The weights do not move (or barely), and the loss does not fall."""
     hint = ("Check that optimizer.step() is called, that the optimizer holds the model's parameters, and the "
@@ -2842,12 +2883,12 @@ def check_metric_errors(run: Run) -> list:
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
-          check_probability_outputs, check_lora, check_frozen_groups, check_not_learning, check_repeated_batches,
-          check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs, check_unscaled_targets,
-          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
-          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
-          check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
-          check_metric_errors)
+          check_probability_outputs, check_lora, check_frozen_groups, check_weights_collapsed, check_not_learning,
+          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs,
+          check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
+          check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
+          check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting,
+          check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2862,7 +2903,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
-     "unscaled_targets", "not_learning"),
+     "unscaled_targets", "weights_collapsed", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2893,6 +2934,8 @@ FINDINGS = {
                      "of the run and stayed there"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
+    "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
+                          "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
     "probability_outputs": (("warning",), "analyzer", "the model's outputs are probabilities, and the train loss "
                             "stays at the floor CrossEntropyLoss or BCEWithLogitsLoss has on them: a softmax or "
@@ -2950,6 +2993,9 @@ CONSEQUENCES = {
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
+    # weights near 0 give about the same output for every input, and small gradients to the early layers
+    "weights_collapsed": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "vanishing_gradients",
+                          "dead_units"),
     "repeated_batches": ("class_imbalance", "loss_spike", "exploding_gradients") + STAGES[4],
     "unshuffled_batches": ("class_imbalance",) + BLOWUPS + STAGES[3] + STAGES[4],
     # a model whose units died or that blew up neglects the rare classes as it neglects everything else

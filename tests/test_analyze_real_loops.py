@@ -1104,3 +1104,53 @@ def test_no_weight_moving_at_lr_0_follows_from_the_lr(tmp_path, every_group):
         assert "not_learning" not in [f.code for f in top]
     else:
         assert top[0].group == "head" and "not_learning" not in found
+
+
+def test_weight_decay_that_collapses_the_weights_is_named_before_the_chance_level(tmp_path):
+    """The digits MLP (two hidden layers) with weight_decay 0.1 in SGD (momentum 0.9) or Adam, which add it to
+    every gradient: the decay pulls the weights to 0 faster than the loss pushes them out, the network ends up
+    giving every input about the same output, and a fresh test set is at chance. The analyzer said
+    holdout_at_chance with loss_stalled under it, whose hint is to raise the learning rate; weights_collapsed
+    now leads, with them under it. The recorded weight norm is checked against torch's norm of the final weights. The same loops
+    at weight_decay 5e-4 (SGD) and AdamW's decoupled 0.1 learn (fresh accuracy over 0.85) and say nothing of
+    the kind."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    loops = {"sgd_0.1": (torch.optim.SGD, dict(lr=0.01, momentum=0.9, weight_decay=0.1)),
+             "adam_0.1": (torch.optim.Adam, dict(lr=1e-3, weight_decay=0.1)),
+             "sgd_5e-4": (torch.optim.SGD, dict(lr=0.01, momentum=0.9, weight_decay=5e-4)),
+             "adamw_0.1": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1))}
+    for name, (kind, options) in loops.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = kind(model.parameters(), **options)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
+        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+        gen, record = torch.Generator().manual_seed(0), None
+        for step in range(400):
+            idx = torch.randint(0, 1000, (32,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            record = tel.on_batch_end(model, opt, step + 1, 0, batch=(x[idx], y[idx]), loss=loss) or record
+        tel.close()
+        with torch.no_grad():
+            accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
+        assert record["step"] == 400   # the last collection saw the final weights
+        final_norm = torch.nn.utils.get_total_norm([p.detach() for p in model.parameters()]).item()
+        assert record["weight_norm"]["overall"] == pytest.approx(final_norm, rel=1e-5)
+        run, found = codes(tmp_path / name)
+        if name.endswith("_0.1") and not name.startswith("adamw"):
+            assert accuracy < 0.2, (name, accuracy)
+            top = at.diagnose(run)
+            assert top[0].code == "weights_collapsed", (name, [f.code for f in top])
+            under = [f.code for f in at.every_finding(top[0].consequences)]
+            assert "holdout_at_chance" in under and "loss_stalled" in under, (name, under)
+            assert "weight_decay" in top[0].hint
+        else:
+            assert accuracy > 0.85, (name, accuracy)
+            assert "weights_collapsed" not in found, (name, found)
