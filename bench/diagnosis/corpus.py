@@ -60,6 +60,8 @@ PROBLEMS: Dict[str, tuple] = {
     "zero_grad_before_hook": ({"missing_gradients"}, {"missing_gradients"}),
     "lora_lr_zero": ({"lora_not_learning", "lr_zero"}, {"lora_not_learning"}),
     "not_in_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
+    # weight_decay added to every gradient, far above the usual: the weights collapse toward 0
+    "weight_decay": ({"weights_collapsed"}, {"weights_collapsed"}),
 }
 
 
@@ -121,6 +123,8 @@ SPECS: List[Spec] = [
     S("healthy", "cnn-digits-40pct-noisy-labels-dict",  "classifier", **digits(arch="cnn", opt="sgd", lr=0.005,
                                                                                 groups="named", format="dict",
                                                                                 label_noise=0.4, steps=250)),
+    S("healthy", "mlp-digits-sgd-wd5e-4",               "classifier", **digits(opt="sgd", lr=0.01, weight_decay=5e-4)),
+    S("healthy", "mlp-digits-adamw-wd0.1",              "classifier", **digits(opt="adamw", lr=1e-3, weight_decay=0.1)),
     S("healthy", "mlp-digits-batch4-sgd-cosine",        "classifier", **digits(opt="sgd", lr=0.02, batch=4,
                                                                                 steps=1200, schedule="cosine",
                                                                                 collect_every_n=10)),
@@ -171,6 +175,9 @@ SPECS: List[Spec] = [
                                                                                 format="dict")),
     S("lora_lr_zero", "lora-llama-trainer",             "lora",       lr=5e-3, lora_lr=0.0, batch=16, steps=60),
     S("not_in_optimizer", "mlp-digits-neck-sgd",        "classifier", **digits(opt="sgd", lr=0.05, neck=64)),
+    S("weight_decay", "mlp-digits-sgd-wd0.1",           "classifier", **digits(opt="sgd", lr=0.01, weight_decay=0.1)),
+    S("weight_decay", "mlp-digits-adam-wd0.1-dict",     "classifier", **digits(opt="adam", lr=1e-3, weight_decay=0.1,
+                                                                                format="dict")),
 ]
 
 

@@ -163,7 +163,8 @@ def _classification_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def make_optimizer(model: nn.Module, spec: Dict[str, Any]) -> torch.optim.Optimizer:
-    """One group, or named backbone/head groups (head at head_mult x the lr; backbone_lr overrides)."""
+    """One group, or named backbone/head groups (head at head_mult x the lr; backbone_lr overrides);
+    `weight_decay` for the optimizer (SGD and Adam add it to the gradient, AdamW applies it apart)."""
     lr = spec["lr"]
     if spec.get("groups") == "named":
         groups = [{"params": list(model.backbone.parameters()), "lr": spec.get("backbone_lr", lr), "name": "backbone"},
@@ -172,12 +173,12 @@ def make_optimizer(model: nn.Module, spec: Dict[str, Any]) -> torch.optim.Optimi
         groups = [{"params": list(model.backbone.parameters()) + list(model.head.parameters())}]
     else:
         groups = [{"params": list(model.parameters())}]
-    kind = spec["opt"]
+    kind, decay = spec["opt"], spec.get("weight_decay")  # decay: SGD's and Adam's 0, AdamW's 0.01 unless given
     if kind == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, weight_decay=decay or 0)
     if kind == "adam":
-        return torch.optim.Adam(groups, lr=lr)
-    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.01)
+        return torch.optim.Adam(groups, lr=lr, weight_decay=decay or 0)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.01 if decay is None else decay)
 
 
 def collect_every(total_steps: int) -> int:
@@ -563,6 +564,14 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"rms {rms:.0f}, test R2 {acc:.3f}",
                        f"train targets' root mean square {rms:.1f} (needs >= 10); test R^2 {acc:.3f} vs {ref:.3f} for "
                        f"ridge regression (needs <= {ref - 0.1:.3f}, or not a number)")
+    if plant == "weight_decay":  # the weights pulled to 0, and the model at chance on the test set
+        before = torch.cat([v.reshape(-1) for v in start.values()]).norm().item()
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm().item()
+        band = _chance_band(ctx["data"].num_classes, len(ctx["data"].y["test"]))
+        ok = after * 5 <= before and acc <= band
+        return Verdict(ok, f"weights /{before / max(after, 1e-12):.0f}, test acc {acc:.3f}",
+                       f"weight norm {before:.3g} at the start and {after:.3g} at the end (needs a fall of 5x or more); "
+                       f"test acc {acc:.3f} (needs <= {band:.3f}: chance + 3 binomial sigmas)")
     if plant == "dead_relu":
         share = dead_share(model, ctx["data"].x["test"])
         return Verdict(share >= 0.8, f"dead {share:.0%}",
