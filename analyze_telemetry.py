@@ -1470,6 +1470,38 @@ def _chance_losses(run: Run):
     return math.log(h.num_classes), min(prior, math.log(h.num_classes))
 
 
+COPIED = 0.8   # a language model whose top prediction is the token at its own position this often copies its input
+
+
+def check_labels_not_shifted(run: Run) -> list:
+    """A language model that predicts the token at each position, not the next one: trained on labels that
+    were never shifted (logits[:, t] scored against labels[:, t]), it learns to copy its input, its train loss
+    falls toward 0, and the holdout, scored on the next token, gets worse than an untrained model's. Telemetry
+    records the share of holdout positions whose top prediction is the position's own token (copy_accuracy);
+    over the last quarter of the evaluations it is COPIED or more, and three times the next-token accuracy."""
+    h = holdout_data(run)
+    if not h or h.kind != "lm":
+        return []
+    copied = np.array([_num(r.get("copy_accuracy")) for r in h.raw])
+    tokens = [r.get("tokens") for r in h.raw[-1:]]
+    counted = sum(v for v in tokens[0] if _has_type(v, int)) if tokens and isinstance(tokens[0], list) else 0
+    late_copy, late_next = _late(h, copied), _late(h, h.accuracy)
+    if late_copy is None or late_next is None or counted < 50:
+        return []
+    if late_copy[0] < COPIED or late_copy[0] < 3 * late_next[0]:
+        return []
+    return [Finding(
+        "labels_not_shifted", "critical",
+        f"the model predicts the token at each position rather than the next one: over the holdout's last "
+        f"evaluations (steps {late_copy[1]}-{late_copy[2]}) its top prediction is the input token at the same "
+        f"position for {late_copy[0]:.0%} of {counted} positions, and the next token for {late_next[0]:.0%}. The "
+        "training loss scores each position against its own token (labels not shifted), so the model learns to "
+        "copy its input: its train loss falls toward 0 while its next-token loss grows.",
+        _steps_list([late_copy[1], late_copy[2]]),
+        hint="Score logits[:, :-1] against labels[:, 1:] in the loss, or pass labels=input_ids to a Hugging Face "
+             "causal LM, which shifts them itself (and does not want them shifted already).")]
+
+
 WEIGHTS_COLLAPSED = 5.0   # the weights' norm fell this many times over the run while the loss learned nothing
 
 
@@ -2883,12 +2915,12 @@ def check_metric_errors(run: Run) -> list:
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
-          check_probability_outputs, check_lora, check_frozen_groups, check_weights_collapsed, check_not_learning,
-          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs,
-          check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
-          check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
-          check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting,
-          check_telemetry_alerts, check_metric_errors)
+          check_probability_outputs, check_lora, check_frozen_groups, check_labels_not_shifted,
+          check_weights_collapsed, check_not_learning, check_repeated_batches, check_unshuffled_batches,
+          check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
+          check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
+          check_dead_units, check_saturated_units, check_vanishing_gradients, check_loss_stalled,
+          check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2903,7 +2935,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
-     "unscaled_targets", "weights_collapsed", "not_learning"),
+     "unscaled_targets", "labels_not_shifted", "weights_collapsed", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2934,6 +2966,9 @@ FINDINGS = {
                      "of the run and stayed there"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
+    "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
+                           "not the next: the loss scores positions against their own tokens, and it learns to "
+                           "copy its input"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
                           "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
@@ -2993,6 +3028,8 @@ CONSEQUENCES = {
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
+    # a model that copies its input fits its train loss, and its next-token holdout gets worse as it does
+    "labels_not_shifted": ("overfitting", "forgetting", "holdout_at_chance", "loss_diverging"),
     # weights near 0 give about the same output for every input, and small gradients to the early layers
     "weights_collapsed": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "vanishing_gradients",
                           "dead_units"),

@@ -495,20 +495,28 @@ def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
     [N, T, V] logits are never kept. With `token_ids`, `token_logits` [N, len(token_ids)] holds those tokens'
     logits at the position that predicts each example's first supervised token (e.g. the answer after a
     masked prompt; the last position if none is supervised).
+    With `shift`, `copy_accuracy` is the share of those positions whose top prediction is the token at the
+    position itself: a model trained on labels that were never shifted learns to copy its input, and
+    scores near 1 there while its next-token accuracy is low.
     """
     logits, target = logits.detach(), labels.detach().to(logits.device)
+    here = None
     if shift:
-        logits, target = logits[:, :-1, :], target[:, 1:]
+        logits, here, target = logits[:, :-1, :], target[:, :-1].long(), target[:, 1:]
     logits, target = logits.float(), target.long()
     valid = target != IGNORE_INDEX
     nll = torch.nn.functional.cross_entropy(
         logits.transpose(1, 2), target.clamp(min=0), reduction="none") * valid
-    correct = (logits.argmax(-1) == target) & valid
+    predicted = logits.argmax(-1)
+    correct = (predicted == target) & valid
     tokens = valid.sum(1)
     per_tokens = tokens.clamp(min=1).float()
+    all_tokens = tokens.sum().clamp(min=1)
     out = {"kind": "lm", "shifted": shift, "nll": nll.sum(1) / per_tokens,
-           "token_accuracy": correct.sum(1) / per_tokens, "loss": nll.sum() / tokens.sum().clamp(min=1),
-           "accuracy": correct.sum() / tokens.sum().clamp(min=1), "tokens": tokens}
+           "token_accuracy": correct.sum(1) / per_tokens, "loss": nll.sum() / all_tokens,
+           "accuracy": correct.sum() / all_tokens, "tokens": tokens}
+    if here is not None:
+        out["copy_accuracy"] = ((predicted == here) & valid).sum() / all_tokens
     if token_ids:
         first = torch.where(valid.any(1), valid.int().argmax(1), valid.shape[1] - 1)  # argmax: first max
         rows = logits[torch.arange(logits.shape[0], device=logits.device), first]
@@ -528,7 +536,9 @@ def merge_lm_holdout(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     tokens = torch.stack([p["tokens"].sum() for p in parts]).float()
     total = tokens.sum().clamp(min=1)
     out["loss"] = (torch.stack([p["loss"] for p in parts]) * tokens).sum() / total
-    out["accuracy"] = (torch.stack([p["accuracy"].float() for p in parts]) * tokens).sum() / total
+    for key in ("accuracy", "copy_accuracy"):
+        if key in out:
+            out[key] = (torch.stack([p[key].float() for p in parts]) * tokens).sum() / total
     return out
 
 
