@@ -60,6 +60,7 @@ PROBLEMS: Dict[str, tuple] = {
     "zero_grad_before_hook": ({"missing_gradients"}, {"missing_gradients"}),
     "lora_lr_zero": ({"lora_not_learning", "lr_zero"}, {"lora_not_learning"}),
     "not_in_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
+    "labels_not_shifted": ({"labels_not_shifted"}, {"labels_not_shifted"}),
     # weight_decay added to every gradient, far above the usual: the weights collapse toward 0
     "weight_decay": ({"weights_collapsed"}, {"weights_collapsed"}),
 }
@@ -163,6 +164,7 @@ SPECS: List[Spec] = [
                                                                                 opt="sgd", lr=0.05)),
     S("repeated_batch", "mlp-digits-adamw",             "classifier", **digits(opt="adamw", lr=1e-3)),
     S("repeated_batch", "gru-charlm-adamw-dict",        "char_lm",    lr=5e-3, batch=16, steps=100),
+    S("labels_not_shifted", "gru-charlm-adamw-dict",    "char_lm",    lr=5e-3, batch=16, steps=150),
     S("unshuffled", "mlp-digits-sorted-by-class",       "classifier", **digits(opt="sgd", lr=0.05)),
     S("probability_outputs", "mlp-digits-softmax-ce",   "classifier", **digits(opt="adamw", lr=1e-3,
                                                                                 final="softmax")),

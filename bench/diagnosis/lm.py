@@ -71,6 +71,16 @@ def test_nll(model: nn.Module, windows: torch.Tensor) -> float:
     return loss
 
 
+def copy_share(model: nn.Module, windows: torch.Tensor) -> float:
+    """The share of positions whose top prediction is the character at that very position (a manual eval
+    pass): near 1 for a model that learned to copy its input."""
+    model.eval()
+    with torch.no_grad():
+        share = float((model(windows).argmax(-1) == windows).float().mean())
+    model.train()
+    return share
+
+
 def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)
@@ -96,7 +106,11 @@ def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, An
         ids = torch.stack([train_ids[s:s + SEQ] for s in starts[step - 1]])
         keys.add(hash(starts[step - 1].tobytes()))
         batch = {"input_ids": ids, "labels": ids}
-        loss = lm_loss(model(batch["input_ids"]), batch["labels"])
+        logits = model(batch["input_ids"])
+        if plant == "labels_not_shifted":  # the bug: position t scored against token t, so the model copies
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+        else:
+            loss = lm_loss(logits, batch["labels"])
         loss.backward()
         optimizer.step()
         telemetry.on_batch_end(model, optimizer, step, 0, batch=batch, loss=loss)
@@ -105,7 +119,13 @@ def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, An
             curve.append(test_nll(model, test_curve))
     telemetry.close()
     final = test_nll(model, test_windows)
-    if plant == "repeated_batch":
+    if plant == "labels_not_shifted":
+        copied, bigram = copy_share(model, test_windows), bigram_nll(train_ids, test_all)
+        verdict = Verdict(copied >= 0.9 and final > bigram, f"copies {copied:.0%}, test NLL {final:.3f}",
+                          f"top prediction = the input character at the same position for {copied:.1%} of the test "
+                          f"positions (needs >= 90%); next-character test NLL {final:.3f} vs a bigram model's "
+                          f"{bigram:.3f} (needs more)")
+    elif plant == "repeated_batch":
         verdict = Verdict(len(keys) == 1, f"{len(keys)} distinct batch",
                           f"{len(keys)} distinct batch(es) over {steps} steps (needs 1); test NLL {final:.3f}")
     else:
