@@ -1502,6 +1502,33 @@ def check_labels_not_shifted(run: Run) -> list:
              "causal LM, which shifts them itself (and does not want them shifted already).")]
 
 
+PINNED = 0.9   # the share of collections at one gradient norm that says clipping acts at every step
+
+
+def check_gradients_clipped(run: Run) -> list:
+    """Gradients clipped to a norm so small that the run learns nothing: the total gradient norm, read after
+    clip_grad_norm_, is the same number (to 1 part in 1000) at PINNED or more of the collections, and the
+    train loss never fell. Clipping at every step is common and harmless in a run that learns (the loss
+    falls): only a run that does not learn is told, and only with SGD, whose step scales with the gradient
+    (Adam's and its kin's do not, so clipping cannot hold them back)."""
+    st, g, _ = _grad_series(run)
+    t = _loss_trend(run)
+    if "SGD" not in str(run.meta.get("optimizer")) or g is None or len(g) < 6 or t is None or not _flat(t):
+        return []
+    level = float(np.median(g))
+    pinned = np.abs(g / level - 1) < 1e-3
+    if pinned.mean() < PINNED:
+        return []
+    return [Finding(
+        "gradients_clipped", "warning",
+        f"the total gradient norm is {_fmt(level)} at {int(pinned.sum())} of {len(g)} collections, to 1 part in "
+        f"1000: the gradients are clipped to that norm at every step (clip_grad_norm_'s max_norm), and the train "
+        f"loss never fell: {_trend_text(t)}. Steps that small leave the weights where they started.",
+        _steps_list(st[pinned][:1]),
+        hint="Raise max_norm (1.0 is usual) or remove the clipping: clipped at every step, each step's size is "
+             "the learning rate times max_norm, whatever the loss.")]
+
+
 WEIGHTS_COLLAPSED = 5.0   # the weights' norm fell this many times over the run while the loss learned nothing
 
 
@@ -2916,11 +2943,12 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
           check_probability_outputs, check_lora, check_frozen_groups, check_labels_not_shifted,
-          check_weights_collapsed, check_not_learning, check_repeated_batches, check_unshuffled_batches,
-          check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
-          check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
-          check_dead_units, check_saturated_units, check_vanishing_gradients, check_loss_stalled,
-          check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
+          check_gradients_clipped, check_weights_collapsed, check_not_learning, check_repeated_batches,
+          check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs, check_unscaled_targets,
+          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
+          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
+          check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
+          check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -2935,7 +2963,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
-     "unscaled_targets", "labels_not_shifted", "weights_collapsed", "not_learning"),
+     "unscaled_targets", "labels_not_shifted", "gradients_clipped", "weights_collapsed", "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2969,6 +2997,8 @@ FINDINGS = {
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),
+    "gradients_clipped": (("warning",), "analyzer", "every step's gradients are clipped to one small norm and the "
+                          "train loss never falls: clip_grad_norm_'s max_norm is too small"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
                           "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
@@ -3030,6 +3060,8 @@ CONSEQUENCES = {
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # a model that copies its input fits its train loss, and its next-token holdout gets worse as it does
     "labels_not_shifted": ("overfitting", "forgetting", "holdout_at_chance", "loss_diverging"),
+    # steps of a fixed, tiny size: the weights stay where they started
+    "gradients_clipped": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting"),
     # weights near 0 give about the same output for every input, and small gradients to the early layers
     "weights_collapsed": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "vanishing_gradients",
                           "dead_units"),

@@ -1111,9 +1111,9 @@ def test_weight_decay_that_collapses_the_weights_is_named_before_the_chance_leve
     every gradient: the decay pulls the weights to 0 faster than the loss pushes them out, the network ends up
     giving every input about the same output, and a fresh test set is at chance. The analyzer said
     holdout_at_chance with loss_stalled under it, whose hint is to raise the learning rate; weights_collapsed
-    now leads, with them under it. The recorded weight norm is checked against torch's norm of the final weights. The same loops
-    at weight_decay 5e-4 (SGD) and AdamW's decoupled 0.1 learn (fresh accuracy over 0.85) and say nothing of
-    the kind."""
+    now leads, with them under it. The recorded weight norm is checked against torch's norm of the final
+    weights. The same loops at weight_decay 5e-4 (SGD) and AdamW's decoupled 0.1 learn (fresh accuracy over
+    0.85) and say nothing of the kind."""
     from sklearn.datasets import load_digits
     from telemetry import TelemetryConfig, TrainingTelemetry
 
@@ -1181,7 +1181,8 @@ def test_a_language_model_trained_on_unshifted_labels_is_named_not_called_overfi
     class CharGRU(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed, self.rnn, self.head = nn.Embedding(256, 32), nn.GRU(32, 64, batch_first=True), nn.Linear(64, 256)
+            self.embed, self.rnn = nn.Embedding(256, 32), nn.GRU(32, 64, batch_first=True)
+            self.head = nn.Linear(64, 256)
 
         def forward(self, input_ids):
             return self.head(self.rnn(self.embed(input_ids))[0])
@@ -1225,3 +1226,57 @@ def test_a_language_model_trained_on_unshifted_labels_is_named_not_called_overfi
         else:
             assert fresh_next > 0.3 and fresh_next > fresh_copy, (fresh_copy, fresh_next)
             assert "labels_not_shifted" not in found, found
+
+
+def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
+    """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
+    lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set
+    is at chance. The analyzer said not_learning, hinting at optimizer.step() and a 10-100x learning rate;
+    gradients_clipped now leads, from the recorded total gradient norm, pinned at max_norm (checked against
+    what clip_grad_norm_ leaves). The same loop clipped at 1.0 learns and says nothing of it; Adam, whose step
+    does not scale with the gradient, at too low a learning rate and clipped at every step, is not told
+    about clipping."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    loops = {"sgd_1e-3": (torch.optim.SGD, dict(lr=0.01, momentum=0.9), 1e-3),
+             "sgd_1": (torch.optim.SGD, dict(lr=0.01, momentum=0.9), 1.0),
+             "adam_lr1e-7_1e-4": (torch.optim.Adam, dict(lr=1e-7), 1e-4)}
+    for name, (kind, options, max_norm) in loops.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+        start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        opt = kind(model.parameters(), **options)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
+        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+        gen, recorded, after_clip = torch.Generator().manual_seed(0), [], []
+        for step in range(1, 401):
+            idx = torch.randint(0, 1000, (32,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            record = tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+            if record:
+                recorded.append(record["gradient_norm"]["overall"])
+                after_clip.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        tel.close()
+        assert recorded == pytest.approx(after_clip, rel=1e-5)
+        with torch.no_grad():
+            accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
+        moved = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - start).norm() / start.norm()
+        run, found = codes(tmp_path / name)
+        top = [f.code for f in at.diagnose(run)]
+        if name == "sgd_1e-3":
+            assert accuracy < 0.2 and moved < 0.01, (accuracy, moved)
+            assert top[0] == "gradients_clipped", top
+            assert "not_learning" in [f.code for f in at.every_finding(at.diagnose(run)[0].consequences)]
+        elif name == "sgd_1":
+            assert accuracy > 0.85, accuracy
+            assert "gradients_clipped" not in found, found
+        else:
+            assert moved < 0.01 and "gradients_clipped" not in found, (moved, found)
+            assert top[0] == "not_learning", top
