@@ -244,6 +244,7 @@ class Trace:
     neck_grad_norms: List[float] = field(default_factory=list)
     train_acc: List[float] = field(default_factory=list)
     grad_ids: set = field(default_factory=set)
+    pre_clip_norms: List[float] = field(default_factory=list)
 
 
 def plant_labels(y: torch.Tensor, spec: Dict[str, Any], k: int, rng: np.random.RandomState) -> torch.Tensor:
@@ -341,6 +342,8 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
         out = model(_inputs(batch))
         loss = loss_fn(out, yb)
         loss.backward()
+        if spec.get("clip"):  # clip_grad_norm_ at max_norm `clip`; it returns the norm before clipping
+            trace.pre_clip_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])))
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
@@ -564,13 +567,24 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"rms {rms:.0f}, test R2 {acc:.3f}",
                        f"train targets' root mean square {rms:.1f} (needs >= 10); test R^2 {acc:.3f} vs {ref:.3f} for "
                        f"ridge regression (needs <= {ref - 0.1:.3f}, or not a number)")
+    if plant == "over_clipped":  # clipped at every step, the weights barely moved, the model at chance
+        clipped = all(n > spec["clip"] for n in t.pre_clip_norms)
+        before = torch.cat([v.reshape(-1) for v in start.values()])
+        moved = float((torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before).norm() / before.norm())
+        band = _chance_band(ctx["data"].num_classes, len(ctx["data"].y["test"]))
+        ok = clipped and moved < 0.01 and acc <= band
+        return Verdict(ok, f"moved {moved:.1e}, test acc {acc:.3f}",
+                       f"the norm before clipping above max_norm {spec['clip']} at every step: {clipped}; the weights "
+                       f"moved {moved:.2e} of their norm over the run (needs < 0.01); test acc {acc:.3f} (needs <= "
+                       f"{band:.3f}: chance + 3 binomial sigmas)")
     if plant == "weight_decay":  # the weights pulled to 0, and the model at chance on the test set
         before = torch.cat([v.reshape(-1) for v in start.values()]).norm().item()
         after = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).norm().item()
         band = _chance_band(ctx["data"].num_classes, len(ctx["data"].y["test"]))
         ok = after * 5 <= before and acc <= band
         return Verdict(ok, f"weights /{before / max(after, 1e-12):.0f}, test acc {acc:.3f}",
-                       f"weight norm {before:.3g} at the start and {after:.3g} at the end (needs a fall of 5x or more); "
+                       f"weight norm {before:.3g} at the start and {after:.3g} at the end (needs a fall of 5x or "
+                       "more); "
                        f"test acc {acc:.3f} (needs <= {band:.3f}: chance + 3 binomial sigmas)")
     if plant == "dead_relu":
         share = dead_share(model, ctx["data"].x["test"])
