@@ -2559,6 +2559,45 @@ def _input_rms(run: Run):
     return (float(np.median(rms)), len(rms)) if len(rms) >= 3 else None
 
 
+def _input_moments(run: Run) -> list:
+    """(step, mean, variance) per element of each batch's floating-point inputs, from their fingerprint (sum x,
+    sum x^2) and element count, for the records that have them with two elements or more."""
+    out = []
+    for r in run.records:
+        fp, n = _get(r, ["batch_stats", "fingerprint"]), _get(r, ["batch_stats", "input_elements"])
+        if isinstance(fp, list) and len(fp) == 2 and _has_type(n, int) and n > 1:
+            mean, square = _num(fp[0]) / n, _num(fp[1]) / n
+            if math.isfinite(mean) and math.isfinite(square):
+                out.append((r.get("step"), mean, max(square - mean * mean, 0.0)))
+    return out
+
+
+def check_constant_inputs(run: Run) -> list:
+    """Every training batch's inputs hold one value (all zeros, from integer division of integer pixels,
+    say): the model sees nothing that tells examples apart and can learn only the label shares. Read from
+    the batch fingerprints (sum x and sum x^2 give each batch's variance; 0 to float32's precision), at 90%
+    or more of the batches and at least 5, in a run whose train loss never fell or ends at the level of a
+    model that knows only the label shares: a constant first tensor in a run that learns is not its inputs."""
+    moments = _input_moments(run)
+    constant = [(step, mean) for step, mean, var in moments if var <= 1e-6 * max(mean * mean, 1e-30)]
+    t = _loss_trend(run)
+    if len(constant) < max(5, 0.9 * len(moments)) or t is None:
+        return []
+    _, prior = _chance_losses(run)
+    if not (_flat(t) or prior is not None and abs(t.last - prior) <= max(3 * t.se, 0.1 * prior)):
+        return []
+    values = sorted({_fmt(mean) for _, mean in constant})
+    return [Finding(
+        "constant_inputs", "critical",
+        f"the inputs hold one value in every batch: in {len(constant)} of the {len(moments)} batches collected "
+        f"every element of the batch's inputs (its first tensor) is {' or '.join(values[:3])}"
+        f"{', ...' if len(values) > 3 else ''} (variance 0, from the batch fingerprints), so the model cannot "
+        f"tell the examples apart, and the train loss {_trend_text(t)}.", _steps_list([constant[0][0]]),
+        hint="Check the input pipeline on one batch: integer division of integer pixels (x // 255 is 0 below 255), "
+             "a normalisation with the wrong statistics, a transform that blanks the inputs, or the wrong tensor "
+             "passed to the model.")]
+
+
 def _troubles(run: Run, checks: tuple) -> list:
     """The codes of the findings these checks give the run, sorted."""
     return sorted({f.code for check in checks for f in check(run)})
@@ -2942,7 +2981,7 @@ def check_metric_errors(run: Run) -> list:
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
-          check_probability_outputs, check_lora, check_frozen_groups, check_labels_not_shifted,
+          check_probability_outputs, check_lora, check_frozen_groups, check_constant_inputs, check_labels_not_shifted,
           check_gradients_clipped, check_weights_collapsed, check_not_learning, check_repeated_batches,
           check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs, check_unscaled_targets,
           check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
@@ -2963,7 +3002,8 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
-     "unscaled_targets", "labels_not_shifted", "gradients_clipped", "weights_collapsed", "not_learning"),
+     "unscaled_targets", "constant_inputs", "labels_not_shifted", "gradients_clipped", "weights_collapsed",
+     "not_learning"),
     ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -2997,6 +3037,8 @@ FINDINGS = {
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),
+    "constant_inputs": (("critical",), "analyzer", "every batch's inputs hold one value (all zeros, say): the model "
+                        "cannot tell the examples apart"),
     "gradients_clipped": (("warning",), "analyzer", "every step's gradients are clipped to one small norm and the "
                           "train loss never falls: clip_grad_norm_'s max_norm is too small"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
@@ -3060,6 +3102,9 @@ CONSEQUENCES = {
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # a model that copies its input fits its train loss, and its next-token holdout gets worse as it does
     "labels_not_shifted": ("overfitting", "forgetting", "holdout_at_chance", "loss_diverging"),
+    # inputs that carry nothing: only the label shares can be learned, and units sit wherever their biases put them
+    "constant_inputs": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "dead_units",
+                        "saturated_units", "vanishing_gradients"),
     # steps of a fixed, tiny size: the weights stay where they started
     "gradients_clipped": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting"),
     # weights near 0 give about the same output for every input, and small gradients to the early layers

@@ -1280,3 +1280,49 @@ def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
         else:
             assert moved < 0.01 and "gradients_clipped" not in found, (moved, found)
             assert top[0] == "not_learning", top
+
+
+def test_inputs_blanked_by_integer_division_are_named_before_dead_units(tmp_path):
+    """The digits' integer pixels (0-16) divided by 255 with floor division: every input is 0, the model can
+    only learn the label shares, and a fresh test set is at chance. The analyzer led with dead_units (hint: the
+    biases and the init: with zero inputs a ReLU unit is dead wherever its bias is negative); constant_inputs
+    now leads, read from the batch fingerprints (each batch's sum and sum of squares, checked here against the
+    batch itself), with dead_units and the chance level under it. The same loop on x / 16 learns (fresh
+    accuracy over 0.85) and says nothing of the kind."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y)
+    for name in ("floor_divided", "scaled"):
+        xs = torch.div(x, 255, rounding_mode="floor") if name == "floor_divided" else x / 16.0
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
+        tel.set_holdout_data((xs[1000:1100], y[1000:1100]))
+        gen = torch.Generator().manual_seed(0)
+        for step in range(1, 401):
+            idx = torch.randint(0, 1000, (32,), generator=gen)
+            loss = F.cross_entropy(model(xs[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            record = tel.on_batch_end(model, opt, step, 0, batch=(xs[idx], y[idx]), loss=loss)
+            if record:
+                batch = xs[idx].double()
+                assert record["batch_stats"]["fingerprint"] == pytest.approx(
+                    [batch.sum().item(), batch.square().sum().item()], rel=1e-5, abs=1e-6)
+        tel.close()
+        with torch.no_grad():
+            accuracy = (model(xs[1100:]).argmax(1) == y[1100:]).float().mean().item()
+        run, found = codes(tmp_path / name)
+        top = at.diagnose(run)
+        if name == "floor_divided":
+            assert accuracy < 0.2, accuracy
+            assert top[0].code == "constant_inputs", [f.code for f in top]
+            under = [f.code for f in at.every_finding(top[0].consequences)]
+            assert "holdout_at_chance" in under and "dead_units" in under, under
+        else:
+            assert accuracy > 0.85, accuracy
+            assert "constant_inputs" not in found, found
