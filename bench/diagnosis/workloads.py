@@ -292,6 +292,8 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)
     data = load_split(spec["data"], seed, raw=spec.get("raw", False), raw_target=spec.get("raw_target", False))
+    if spec.get("plant") == "constant_inputs":  # the pipeline's bug: the digits' 0-16 pixels floor-divided by 255
+        data.x = {k: torch.div(v * 16, 255, rounding_mode="floor") for k, v in data.x.items()}
     regression = data.num_classes == 0
     k = data.num_classes
     x_train = data.x["train"]
@@ -567,6 +569,13 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"rms {rms:.0f}, test R2 {acc:.3f}",
                        f"train targets' root mean square {rms:.1f} (needs >= 10); test R^2 {acc:.3f} vs {ref:.3f} for "
                        f"ridge regression (needs <= {ref - 0.1:.3f}, or not a number)")
+    if plant == "constant_inputs":  # every train input one value, and the model at chance on the test set
+        x = ctx["x_train"].double()
+        spread = float(x.max() - x.min())
+        band = _chance_band(ctx["data"].num_classes, len(ctx["data"].y["test"]))
+        return Verdict(spread == 0 and acc <= band, f"input spread {spread:g}, test acc {acc:.3f}",
+                       f"max - min over every train input {spread:g} (needs 0); test acc {acc:.3f} (needs <= "
+                       f"{band:.3f}: chance + 3 binomial sigmas)")
     if plant == "over_clipped":  # clipped at every step, the weights barely moved, the model at chance
         clipped = all(n > spec["clip"] for n in t.pre_clip_norms)
         before = torch.cat([v.reshape(-1) for v in start.values()])
