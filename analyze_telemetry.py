@@ -2572,6 +2572,36 @@ def _input_moments(run: Run) -> list:
     return out
 
 
+HOLDOUT_OFF_SCALE = 4.0   # the holdout's inputs this many times larger or smaller than the training batches'
+
+
+def check_holdout_off_scale(run: Run) -> list:
+    """The holdout's inputs on another scale than the training batches': a holdout that skipped the training
+    data's preprocessing (standardised train features against raw holdout ones, pixels divided by 255 in one
+    and not the other). Root mean square per element: the holdout's from run.json (telemetry measures it at
+    set_holdout_data), the training batches' the median over their fingerprints; HOLDOUT_OFF_SCALE times
+    apart or more, over at least 3 batches. Whatever the holdout then says about the model is about the
+    pipeline."""
+    held = _get(run.meta, ["holdout", "input_rms"])
+    moments = _input_moments(run)
+    if not _has_type(held, (int, float)) or not math.isfinite(held) or len(moments) < 3:
+        return []
+    train = float(np.median([math.sqrt(mean * mean + var) for _, mean, var in moments]))
+    if not train > 0 or not held > 0:
+        return []
+    ratio = held / train
+    if 1 / HOLDOUT_OFF_SCALE < ratio < HOLDOUT_OFF_SCALE:
+        return []
+    return [Finding(
+        "holdout_off_scale", "warning",
+        f"the holdout's inputs are on another scale than the training batches': root mean square per element "
+        f"{_fmt(held)} against {_fmt(train)} ({_fmt(ratio)}x; the median over {len(moments)} training batches). The "
+        "holdout did not go through the training data's preprocessing (normalisation, scaling), so the model "
+        "is scored on inputs it never saw the like of.", _steps_list([moments[0][0]]),
+        hint="Pass set_holdout_data inputs transformed exactly as the training batches are (the same "
+             "normalisation, with the training set's statistics).")]
+
+
 def check_constant_inputs(run: Run) -> list:
     """Every training batch's inputs hold one value (all zeros, from integer division of integer pixels,
     say): the model sees nothing that tells examples apart and can learn only the label shares. Read from
@@ -2704,10 +2734,13 @@ def check_class_imbalance(run: Run) -> list:
         return []
     # Only train shares far from the holdout's make the holdout look worse as the model learns them; an
     # imbalance the holdout shares says nothing about why the holdout is at chance or rising.
-    return [Finding(
-        "class_imbalance", "warning", "; ".join(reasons) + ".", _steps_list([st[0], st[-1]]),
-        hint="Rebalance with a WeightedRandomSampler or class weights in the loss, or check the sampler; make sure "
-             "train and holdout come from the same distribution.", explains_only=None if apart else ())]
+    hint = ("Rebalance with a WeightedRandomSampler or class weights in the loss, or check the sampler; make sure "
+            "train and holdout come from the same distribution.")
+    if apart and len(reasons) == 1:   # balanced batches, a holdout of other shares: the split, not the sampler
+        hint = ("Split the holdout off the training data at random (data sorted or grouped by class, or a holdout "
+                "from another source, gives other shares); its accuracy and loss weigh the classes otherwise.")
+    return [Finding("class_imbalance", "warning", "; ".join(reasons) + ".", _steps_list([st[0], st[-1]]), hint=hint,
+                    explains_only=None if apart else ())]
 
 
 def _distinct_classes(p: np.ndarray, size: int):
@@ -2982,12 +3015,12 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
           check_probability_outputs, check_lora, check_frozen_groups, check_constant_inputs, check_labels_not_shifted,
-          check_gradients_clipped, check_weights_collapsed, check_not_learning, check_repeated_batches,
-          check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs, check_unscaled_targets,
-          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
-          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
-          check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
-          check_metric_errors)
+          check_gradients_clipped, check_weights_collapsed, check_not_learning, check_holdout_off_scale,
+          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs,
+          check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
+          check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
+          check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting,
+          check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -3004,7 +3037,7 @@ STAGES = (
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
      "unscaled_targets", "constant_inputs", "labels_not_shifted", "gradients_clipped", "weights_collapsed",
      "not_learning"),
-    ("repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
+    ("holdout_off_scale", "repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
     ("dead_units", "saturated_units", "vanishing_gradients", "frozen_group"),
@@ -3047,6 +3080,8 @@ FINDINGS = {
     "probability_outputs": (("warning",), "analyzer", "the model's outputs are probabilities, and the train loss "
                             "stays at the floor CrossEntropyLoss or BCEWithLogitsLoss has on them: a softmax or "
                             "sigmoid before a loss that applies its own"),
+    "holdout_off_scale": (("warning",), "analyzer", "the holdout's inputs are on another scale than the training "
+                          "batches' (4x or more): it skipped their preprocessing"),
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),
@@ -3105,6 +3140,10 @@ CONSEQUENCES = {
     # inputs that carry nothing: only the label shares can be learned, and units sit wherever their biases put them
     "constant_inputs": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "dead_units",
                         "saturated_units", "vanishing_gradients"),
+    # a holdout the model cannot read: its scores are at chance, its loss high and jumpy, and the units' states
+    # measured on it (dead, saturated) are those of inputs the model never trains on
+    "holdout_off_scale": ("holdout_at_chance", "overfitting", "forgetting", "loss_oscillating", "dead_units",
+                          "saturated_units"),
     # steps of a fixed, tiny size: the weights stay where they started
     "gradients_clipped": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting"),
     # weights near 0 give about the same output for every input, and small gradients to the early layers

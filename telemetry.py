@@ -4317,13 +4317,19 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
             stats = label_balance(labels, label_key or "label")
     else:
         stats = {"batch_size": batch_size_of(batch)}
-    inputs = next((t for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(
-        batch, (tuple, list)) else [batch]) if isinstance(t, torch.Tensor)), None)
+    inputs = batch_inputs(batch)
     if inputs is not None:
         stats["fingerprint"] = batch_fingerprint(inputs)
         if inputs.is_floating_point():  # with sum x^2, the inputs' scale (token ids have none)
             stats["input_elements"] = inputs.numel()
     return stats
+
+
+def batch_inputs(batch: Any) -> Optional[torch.Tensor]:
+    """What batch_stats takes for a batch's inputs: its first tensor (of a dict's values, a tuple or a list)."""
+    batch = plain_batch(batch)
+    return next((t for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(
+        batch, (tuple, list)) else [batch]) if isinstance(t, torch.Tensor)), None)
 
 
 def per_token_labels(inputs: Any, labels: torch.Tensor) -> bool:
@@ -4582,6 +4588,22 @@ class _Holdout:
         self.regression = any(is_regression_target(t) for t in found)
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
         return sum(_holdout_batch_size(b) for b in batches)
+
+    def input_scale(self) -> Dict[str, float]:
+        """The mean and root mean square per element of the holdout's floating-point inputs (batch_inputs, as
+        batch_stats reads the training batches'), for run.json: a holdout that skipped the training data's
+        preprocessing shows on another scale. Empty for integer inputs (token ids)."""
+        try:
+            inputs = [x.detach() for x in map(batch_inputs, self.batches) if x is not None and x.is_floating_point()]
+            n = sum(x.numel() for x in inputs)
+            if not n or len(inputs) < len(self.batches):
+                return {}
+            total = torch.stack([torch.stack([x.double().sum(), x.double().square().sum()]).cpu()
+                                 for x in inputs]).sum(0)
+        except Exception:  # what telemetry only describes never stops set_holdout_data
+            return {}
+        mean, rms = float(total[0]) / n, math.sqrt(max(float(total[1]), 0.0) / n)
+        return {"input_mean": mean, "input_rms": rms} if math.isfinite(mean) and math.isfinite(rms) else {}
 
     def sizes(self) -> List[int]:
         return [batch_size_of(b) for b in self.batches]
@@ -4906,7 +4928,7 @@ class TrainingTelemetry:
         """
         examples = self._holdout.set(batches, forward, labels, output)
         if self._active():
-            self._files.update_info(holdout={"examples": examples})
+            self._files.update_info(holdout={"examples": examples, **self._holdout.input_scale()})
 
     def on_batch_end(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                      batch_idx: int, epoch: int, device: Any = None, batch: Any = None, loss: Any = None,

@@ -406,7 +406,8 @@ def test_a_holdout_loss_that_climbs_steadily_is_no_oscillation(tmp_path):
     """The holdout got the raw features, the train batches standardised ones: the holdout loss climbs by
     about as much at every collection as the model learns the train data (which it does: the test set
     scores ~98%). That is a holdout from other data, at chance; a loss_oscillating finding ("lower the
-    learning rate") ranked first named the wrong cause."""
+    learning rate") ranked first named the wrong cause. The holdout's input scale (run.json) now names the
+    cause itself: holdout_off_scale, with the chance level under it."""
     from sklearn.datasets import load_breast_cancer
 
     x, y, raw = standardized(load_breast_cancer)
@@ -417,7 +418,8 @@ def test_a_holdout_loss_that_climbs_steadily_is_no_oscillation(tmp_path):
     _, found = codes(tmp_path / "r")
     assert "loss_oscillating" not in found, found["loss_oscillating"].message
     top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
-    assert top[0].code == "holdout_at_chance", [(f.code, f.message) for f in top]
+    assert top[0].code == "holdout_off_scale", [(f.code, f.message) for f in top]
+    assert "holdout_at_chance" in [f.code for f in at.every_finding(top[0].consequences)]
 
 
 def test_relu_layers_dead_from_the_start_are_the_cause_not_the_optimizer(tmp_path):
@@ -1326,3 +1328,47 @@ def test_inputs_blanked_by_integer_division_are_named_before_dead_units(tmp_path
         else:
             assert accuracy > 0.85, accuracy
             assert "constant_inputs" not in found, found
+
+
+def test_a_holdout_that_skipped_the_standardisation_is_named_not_the_model(tmp_path):
+    """Breast cancer, split at random, the MLP trained on features standardised with the train statistics and
+    given a holdout of raw features (root mean square about 230 against 1): on standardised fresh examples
+    the model is good (accuracy over 0.9), on the raw holdout it predicts one class. The analyzer blamed the
+    model: holdout_at_chance, overfitting and an oscillating loss (hint: lower the learning rate). Telemetry
+    now measures the holdout's input scale at set_holdout_data (run.json, checked here against numpy on the
+    50 examples it keeps), and holdout_off_scale leads, with those under it. The same loop with the holdout
+    standardised says nothing of the kind."""
+    from sklearn.datasets import load_breast_cancer
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y, raw = standardized(load_breast_cancer, fit=300)
+    for name in ("raw_holdout", "standardised_holdout"):
+        held = raw[300:360] if name == "raw_holdout" else x[300:360]
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
+        tel.set_holdout_data((held, y[300:360]))
+        gen = torch.Generator().manual_seed(0)
+        for step in range(1, 401):
+            idx = torch.randint(0, 300, (16,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+        tel.close()
+        with torch.no_grad():
+            fresh = (model(x[360:]).argmax(1) == y[360:]).float().mean().item()
+        kept = held[:50].double().numpy()
+        info = json.loads((tmp_path / name / "run.json").read_text())["holdout"]
+        assert info["input_rms"] == pytest.approx(float(np.sqrt(np.mean(kept ** 2))), rel=1e-9)
+        assert info["input_mean"] == pytest.approx(float(np.mean(kept)), rel=1e-9)
+        assert fresh > 0.9, fresh
+        run, found = codes(tmp_path / name)
+        top = at.diagnose(run)
+        if name == "raw_holdout":
+            assert top[0].code == "holdout_off_scale", [f.code for f in top]
+            assert "holdout_at_chance" in [f.code for f in at.every_finding(top[0].consequences)]
+        else:
+            assert "holdout_off_scale" not in found and "holdout_at_chance" not in found, found
