@@ -61,6 +61,7 @@ PROBLEMS: Dict[str, tuple] = {
     "lora_lr_zero": ({"lora_not_learning", "lr_zero"}, {"lora_not_learning"}),
     "not_in_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
     "labels_not_shifted": ({"labels_not_shifted"}, {"labels_not_shifted"}),
+    "holdout_off_scale": ({"holdout_off_scale"}, {"holdout_off_scale"}),
     "constant_inputs": ({"constant_inputs"}, {"constant_inputs"}),
     "over_clipped": ({"gradients_clipped"}, {"gradients_clipped"}),
     # weight_decay added to every gradient, far above the usual: the weights collapse toward 0
@@ -179,6 +180,8 @@ SPECS: List[Spec] = [
                                                                                 format="dict")),
     S("lora_lr_zero", "lora-llama-trainer",             "lora",       lr=5e-3, lora_lr=0.0, batch=16, steps=60),
     S("not_in_optimizer", "mlp-digits-neck-sgd",        "classifier", **digits(opt="sgd", lr=0.05, neck=64)),
+    S("holdout_off_scale", "mlp-breast-cancer-raw-holdout-adam-dict", "classifier", **cancer(opt="adam", lr=1e-3)),
+    S("holdout_off_scale", "mlp-diabetes-raw-holdout-adam", "classifier", **diabetes(opt="adam", lr=1e-3)),
     S("constant_inputs", "mlp-digits-adam-floor-div-255", "classifier", **digits(opt="adam", lr=1e-3)),
     S("constant_inputs", "cnn-digits-sgd-floor-div-255-dict", "classifier", **digits(arch="cnn", opt="sgd", lr=0.01,
                                                                                      format="dict")),

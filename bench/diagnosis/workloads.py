@@ -306,11 +306,11 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
     init_plants(model, spec)
     start = _snapshot(model)
     optimizer = make_optimizer(model, spec)
+    plant = spec.get("plant")
     scheduler = None
     if spec.get("schedule") == "cosine":  # cosine decay to 10% of each group's lr over the run
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, spec["steps"]) / spec["steps"])))
-    plant = spec.get("plant")
     if plant == "frozen":  # frozen after the optimizer was built: its group keeps lr > 0
         model.backbone.requires_grad_(False)
 
@@ -320,7 +320,10 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
     telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every,
                                                   holdout_size=len(data.y["holdout"]), batch_label_key=label_key
                                                   if fmt == "dict" else None))
-    telemetry.set_holdout_data(_as_batch(data.x["holdout"], data.y["holdout"], fmt, label_key))
+    held = data.x["holdout"]
+    if plant == "holdout_off_scale":  # the pipeline's bug: the holdout skips the standardisation (raw features)
+        held = load_split(spec["data"], seed, raw=True).x["holdout"]
+    telemetry.set_holdout_data(_as_batch(held, data.y["holdout"], fmt, label_key))
 
     loss_fn = (lambda out, y: F.mse_loss(out.reshape(-1), y)) if regression else _classification_loss
     batches = _order(len(y_train), rng, spec, y_train.numpy())
@@ -569,6 +572,14 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"rms {rms:.0f}, test R2 {acc:.3f}",
                        f"train targets' root mean square {rms:.1f} (needs >= 10); test R^2 {acc:.3f} vs {ref:.3f} for "
                        f"ridge regression (needs <= {ref - 0.1:.3f}, or not a number)")
+    if plant == "holdout_off_scale":  # the holdout on another scale, the model itself healthy on the test set
+        raw = load_split(spec["data"], ctx["seed"], raw=True).x["holdout"].double()
+        ratio = float(raw.square().mean().sqrt() / ctx["x_train"].double().square().mean().sqrt())
+        healthy = _healthy(ctx)
+        ok = (ratio >= 4 or ratio <= 0.25) and healthy.ok
+        return Verdict(ok, f"holdout x{ratio:.3g}, {healthy.value}",
+                       f"the holdout's inputs' root mean square {ratio:.3g}x the train inputs' (needs >= 4x or <= "
+                       f"0.25x); on the standardised test set: {healthy.detail}")
     if plant == "constant_inputs":  # every train input one value, and the model at chance on the test set
         x = ctx["x_train"].double()
         spread = float(x.max() - x.min())
