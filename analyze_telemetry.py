@@ -1441,6 +1441,12 @@ def _flat(t: LossTrend) -> bool:
     return t.first - t.last < max(3 * t.se, 0.01 * abs(t.first))
 
 
+def _at_chance_level(t: LossTrend, prior: float) -> bool:
+    """The train loss ends at `prior` (the level of a model that knows only the label shares), within 3
+    standard errors or a tenth of it."""
+    return abs(t.last - prior) <= max(3 * t.se, 0.1 * prior)
+
+
 def _trend_text(t: LossTrend) -> str:
     return (f"median {_fmt(t.first)} over the first fifth of the run and {_fmt(t.last)} over the last "
             f"({_change_text(t.first, t.last)}; the noise allows +/-{_fmt(3 * t.se)})")
@@ -1549,7 +1555,7 @@ def check_weights_collapsed(run: Run) -> list:
         return []
     _, prior = _chance_losses(run)
     if prior is not None:
-        if abs(t.last - prior) > max(3 * t.se, 0.1 * prior):
+        if not _at_chance_level(t, prior):
             return []   # it learned something: a smaller norm that still fits the data
         level = f"ended at the chance level ({_fmt(t.last)} over the last fifth, against {_fmt(prior)} for a " \
                 "model that predicts only the label shares)"
@@ -1605,7 +1611,7 @@ def check_loss_stalled(run: Run) -> list:
     untrained, prior = _chance_losses(run)
     if t is None or prior is None or not _flat(t) or _weights_barely_move(run)[0]:
         return []
-    if abs(t.last - prior) > max(3 * t.se, 0.1 * prior):
+    if not _at_chance_level(t, prior):
         return []   # flat but away from the chance level: it learned before the first collection, or blew up
     h = holdout_data(run)
     late = _late(h, h.loss) if h else None
@@ -2548,20 +2554,10 @@ UNSCALED_RMS = 10.0
 UNSCALED_START = 5.0
 
 
-def _input_rms(run: Run):
-    """(median root mean square per element of the batches' floating-point inputs, batches) from their
-    fingerprint (sum x^2) and element count; None with fewer than 3 such batches (integer inputs have none)."""
-    rms = []
-    for r in run.records:
-        fp, n = _get(r, ["batch_stats", "fingerprint"]), _get(r, ["batch_stats", "input_elements"])
-        if isinstance(fp, list) and len(fp) == 2 and _has_type(n, int) and n > 0 and math.isfinite(_num(fp[1])):
-            rms.append(math.sqrt(max(_num(fp[1]), 0.0) / n))
-    return (float(np.median(rms)), len(rms)) if len(rms) >= 3 else None
-
-
 def _input_moments(run: Run) -> list:
     """(step, mean, variance) per element of each batch's floating-point inputs, from their fingerprint (sum x,
-    sum x^2) and element count, for the records that have them with two elements or more."""
+    sum x^2) and element count, for the records that have them with two elements or more (integer inputs
+    have none)."""
     out = []
     for r in run.records:
         fp, n = _get(r, ["batch_stats", "fingerprint"]), _get(r, ["batch_stats", "input_elements"])
@@ -2570,6 +2566,13 @@ def _input_moments(run: Run) -> list:
             if math.isfinite(mean) and math.isfinite(square):
                 out.append((r.get("step"), mean, max(square - mean * mean, 0.0)))
     return out
+
+
+def _input_rms(run: Run):
+    """(median root mean square per element of the batches' floating-point inputs, batches) from their
+    fingerprints; None with fewer than 3 such batches."""
+    rms = [math.sqrt(mean * mean + var) for _, mean, var in _input_moments(run)]
+    return (float(np.median(rms)), len(rms)) if len(rms) >= 3 else None
 
 
 HOLDOUT_OFF_SCALE = 4.0   # the holdout's inputs this many times larger or smaller than the training batches'
@@ -2582,11 +2585,10 @@ def check_holdout_off_scale(run: Run) -> list:
     set_holdout_data), the training batches' the median over their fingerprints; HOLDOUT_OFF_SCALE times
     apart or more, over at least 3 batches. Whatever the holdout then says about the model is about the
     pipeline."""
-    held = _get(run.meta, ["holdout", "input_rms"])
-    moments = _input_moments(run)
-    if not _has_type(held, (int, float)) or not math.isfinite(held) or len(moments) < 3:
+    held, found = _get(run.meta, ["holdout", "input_rms"]), _input_rms(run)
+    if not _has_type(held, (int, float)) or not math.isfinite(held) or found is None:
         return []
-    train = float(np.median([math.sqrt(mean * mean + var) for _, mean, var in moments]))
+    train, batches = found
     if not train > 0 or not held > 0:
         return []
     ratio = held / train
@@ -2595,9 +2597,9 @@ def check_holdout_off_scale(run: Run) -> list:
     return [Finding(
         "holdout_off_scale", "warning",
         f"the holdout's inputs are on another scale than the training batches': root mean square per element "
-        f"{_fmt(held)} against {_fmt(train)} ({_fmt(ratio)}x; the median over {len(moments)} training batches). The "
+        f"{_fmt(held)} against {_fmt(train)} ({_fmt(ratio)}x; the median over {batches} training batches). The "
         "holdout did not go through the training data's preprocessing (normalisation, scaling), so the model "
-        "is scored on inputs it never saw the like of.", _steps_list([moments[0][0]]),
+        "is scored on inputs it never saw the like of.", _steps_list(steps(run)[:1]),
         hint="Pass set_holdout_data inputs transformed exactly as the training batches are (the same "
              "normalisation, with the training set's statistics).")]
 
@@ -2614,7 +2616,7 @@ def check_constant_inputs(run: Run) -> list:
     if len(constant) < max(5, 0.9 * len(moments)) or t is None:
         return []
     _, prior = _chance_losses(run)
-    if not (_flat(t) or prior is not None and abs(t.last - prior) <= max(3 * t.se, 0.1 * prior)):
+    if not (_flat(t) or prior is not None and _at_chance_level(t, prior)):
         return []
     values = sorted({_fmt(mean) for _, mean in constant})
     return [Finding(
