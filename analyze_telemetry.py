@@ -1582,8 +1582,14 @@ def check_not_learning(run: Run) -> list:
             "learning rate (try 10-100x larger).")
     wd = _finite(column(run, "weight_delta.overall")[1:])
     if len(wd) >= 2 and np.all(wd == 0):
-        return [Finding("not_learning", "critical", f"no weight changed in any of the {len(wd)} collections after "
-                        "the first.", _steps_list(steps(run)[1:2]), hint=hint)]
+        why = f"no weight changed in any of the {len(wd)} collections after the first"
+        grads, loss = column(run, "gradient_norm.overall"), _finite(column(run, "loss"))
+        if len(grads) >= 2 and np.all(grads == 0):  # recorded as 0, not null: the gradients were there
+            why += (", and every gradient was exactly 0 at every collection" +
+                    (", as was the train loss" if len(loss) and np.all(loss == 0) else ""))
+            hint = ("The loss does not depend on the weights: check what it is computed from (a loss multiplied by 0, "
+                    "or by a mask or per-example weights that select nothing).")
+        return [Finding("not_learning", "critical", why + ".", _steps_list(steps(run)[1:2]), hint=hint)]
     still, why = _weights_barely_move(run)
     t = _loss_trend(run)
     if not still or t is None or not _flat(t):

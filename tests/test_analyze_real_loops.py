@@ -1372,3 +1372,38 @@ def test_a_holdout_that_skipped_the_standardisation_is_named_not_the_model(tmp_p
             assert "holdout_at_chance" in [f.code for f in at.every_finding(top[0].consequences)]
         else:
             assert "holdout_off_scale" not in found and "holdout_at_chance" not in found, found
+
+
+def test_a_loss_that_does_not_depend_on_the_weights_is_told_so(tmp_path):
+    """The digits MLP with Adam on a loss multiplied by 0 (a mask weight that is always 0): every gradient is
+    0, Adam moves nothing, and the weights stay bit-identical to a copy taken at the start. not_learning
+    said to check that optimizer.step() is called and to raise the learning rate 10-100x, neither of which
+    helps; it now says that every gradient and the loss were exactly 0, and that the loss does not depend on
+    the weights."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "r"), collect_every_n=8))
+    tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # telemetry warns that every gradient is 0
+        for step in range(1, 201):
+            idx = torch.randint(0, 1000, (32,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx]) * 0.0
+            opt.zero_grad()
+            loss.backward()
+            assert all(not p.grad.any() for p in model.parameters())
+            opt.step()
+            tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+    assert all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start))
+    top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
+    assert top[0].code == "not_learning", [f.code for f in top]
+    assert "every gradient was exactly 0" in top[0].message and "does not depend on the weights" in top[0].hint
