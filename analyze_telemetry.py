@@ -1476,6 +1476,35 @@ def _chance_losses(run: Run):
     return math.log(h.num_classes), min(prior, math.log(h.num_classes))
 
 
+def check_negative_loss(run: Run) -> list:
+    """A classifier's train loss below 0, and on down without bound: cross-entropy on probabilities is never
+    negative, but NLLLoss on raw outputs (it expects log-probabilities) is -output[label], which the model
+    lowers by growing that output until it overflows. The lowest finite loss is under 0 and 10 times as far
+    from 0 as the first fifth's median (or 1, if more), in a run with class labels (batch counts or a
+    holdout); a run that reached NaN counts its finite losses before it."""
+    h = holdout_data(run)
+    classes = h is not None and h.kind == "classification" or bool(section_keys(run, "batch_stats.counts",
+                                                                                 skip_overall=False))
+    loss = column(run, "loss")
+    ok = np.isfinite(loss)
+    x, st = loss[ok], steps(run)[ok]
+    if not classes or len(x) < 3:
+        return []
+    first = float(np.median(x[:max(1, len(x) // 5)]))
+    i = int(np.argmin(x))
+    if not x[i] < -10 * max(abs(first), 1.0):
+        return []
+    return [Finding(
+        "negative_loss", "critical",
+        f"the train loss of a classifier fell below 0 and on without bound: from a median {_fmt(first)} over the "
+        f"first fifth of its finite values to {_fmt(float(x[i]))} at step {int(st[i])}. A loss on class "
+        "probabilities is never negative; NLLLoss on raw outputs is minus the label's output, which the model "
+        "lowers by growing it without end, and its gradients and outputs grow with it.",
+        _steps_list([st[0], st[i]]),
+        hint="Use F.cross_entropy on the logits, or F.nll_loss on log_softmax(logits): nll_loss expects "
+             "log-probabilities.")]
+
+
 COPIED = 0.8   # a language model whose top prediction is the token at its own position this often copies its input
 
 
@@ -3022,13 +3051,13 @@ def check_metric_errors(run: Run) -> list:
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
-          check_probability_outputs, check_lora, check_frozen_groups, check_constant_inputs, check_labels_not_shifted,
-          check_gradients_clipped, check_weights_collapsed, check_not_learning, check_holdout_off_scale,
-          check_repeated_batches, check_unshuffled_batches, check_padding_supervised, check_unscaled_inputs,
-          check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes,
-          check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units,
-          check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting,
-          check_telemetry_alerts, check_metric_errors)
+          check_probability_outputs, check_lora, check_frozen_groups, check_negative_loss, check_constant_inputs,
+          check_labels_not_shifted, check_gradients_clipped, check_weights_collapsed, check_not_learning,
+          check_holdout_off_scale, check_repeated_batches, check_unshuffled_batches, check_padding_supervised,
+          check_unscaled_inputs, check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging,
+          check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
+          check_saturated_units, check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance,
+          check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -3043,8 +3072,8 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
-     "unscaled_targets", "constant_inputs", "labels_not_shifted", "gradients_clipped", "weights_collapsed",
-     "not_learning"),
+     "unscaled_targets", "negative_loss", "constant_inputs", "labels_not_shifted", "gradients_clipped",
+     "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -3075,6 +3104,8 @@ FINDINGS = {
                      "of the run and stayed there"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
+    "negative_loss": (("critical",), "analyzer", "a classifier's train loss falls below 0 and on without bound: "
+                      "NLLLoss on raw outputs, not log-probabilities"),
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),
@@ -3143,6 +3174,8 @@ CONSEQUENCES = {
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
+    # a loss without a floor: the outputs, the gradients and the holdout's loss grow without end
+    "negative_loss": _AFTER_A_BLOWUP + ("holdout_at_chance", "overfitting", "forgetting"),
     # a model that copies its input fits its train loss, and its next-token holdout gets worse as it does
     "labels_not_shifted": ("overfitting", "forgetting", "holdout_at_chance", "loss_diverging"),
     # inputs that carry nothing: only the label shares can be learned, and units sit wherever their biases put them

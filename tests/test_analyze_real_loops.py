@@ -1407,3 +1407,47 @@ def test_a_loss_that_does_not_depend_on_the_weights_is_told_so(tmp_path):
     top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
     assert top[0].code == "not_learning", [f.code for f in top]
     assert "every gradient was exactly 0" in top[0].message and "does not depend on the weights" in top[0].hint
+
+
+def test_nll_loss_on_raw_logits_is_named_not_the_learning_rate(tmp_path):
+    """The digits MLP trained with F.nll_loss on its raw outputs (nll_loss expects log-probabilities): the
+    loss is minus the label's output, which the model lowers by growing it without end, so the recorded
+    loss (checked against the loop's) runs to -700, the gradients grow and a fresh test set is at chance.
+    The analyzer led with exploding_gradients (hint: lower the learning rate, clip) and called the rest
+    overfitting; negative_loss now leads, with them under it. The same loop on log_softmax learns (fresh
+    accuracy over 0.85) and says nothing of the kind."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    for name in ("raw", "log_softmax"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
+        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+        gen = torch.Generator().manual_seed(0)
+        for step in range(1, 401):
+            idx = torch.randint(0, 1000, (32,), generator=gen)
+            out = model(x[idx])
+            loss = F.nll_loss(out if name == "raw" else F.log_softmax(out, -1), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            record = tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+            if record:
+                assert record["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        tel.close()
+        with torch.no_grad():
+            accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
+        run, found = codes(tmp_path / name)
+        top = at.diagnose(run)
+        if name == "raw":
+            assert accuracy < 0.2 and loss.item() < -100, (accuracy, loss.item())
+            assert top[0].code == "negative_loss", [f.code for f in top]
+            under = [f.code for f in at.every_finding(top[0].consequences)]
+            assert "exploding_gradients" in under and "holdout_at_chance" in under, under
+        else:
+            assert accuracy > 0.85, accuracy
+            assert "negative_loss" not in found, found
