@@ -326,6 +326,8 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
     telemetry.set_holdout_data(_as_batch(held, data.y["holdout"], fmt, label_key))
 
     loss_fn = (lambda out, y: F.mse_loss(out.reshape(-1), y)) if regression else _classification_loss
+    if plant == "negative_loss":  # the bug: NLLLoss on raw outputs, which expects log-probabilities
+        loss_fn = F.nll_loss
     batches = _order(len(y_train), rng, spec, y_train.numpy())
     per_epoch = max(1, len(y_train) // spec["batch"])
     trace = Trace()
@@ -572,6 +574,14 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"rms {rms:.0f}, test R2 {acc:.3f}",
                        f"train targets' root mean square {rms:.1f} (needs >= 10); test R^2 {acc:.3f} vs {ref:.3f} for "
                        f"ridge regression (needs <= {ref - 0.1:.3f}, or not a number)")
+    if plant == "negative_loss":  # the loss ran far below 0, and the model at chance on the test set
+        finite = [v for v in t.losses if math.isfinite(v)]
+        lowest = min(finite) if finite else math.nan
+        band = _chance_band(ctx["data"].num_classes, len(ctx["data"].y["test"]))
+        ok = lowest < -10 and acc <= band
+        return Verdict(ok, f"train loss down to {lowest:.3g}, test acc {acc:.3f}",
+                       f"lowest finite train loss {lowest:.3g} (needs < -10: a cross-entropy is never negative); "
+                       f"test acc {acc:.3f} (needs <= {band:.3f}: chance + 3 binomial sigmas)")
     if plant == "holdout_off_scale":  # the holdout on another scale, the model itself healthy on the test set
         raw = load_split(spec["data"], ctx["seed"], raw=True).x["holdout"].double()
         ratio = float(raw.square().mean().sqrt() / ctx["x_train"].double().square().mean().sqrt())
