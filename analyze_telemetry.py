@@ -1478,8 +1478,9 @@ def _chance_losses(run: Run):
 
 def check_negative_loss(run: Run) -> list:
     """A classifier's train loss below 0, and on down without bound: cross-entropy on probabilities is never
-    negative, but NLLLoss on raw outputs (it expects log-probabilities) is -output[label], which the model
-    lowers by growing that output until it overflows. The lowest finite loss is under 0 and 10 times as far
+    negative, but NLLLoss on raw outputs (it expects log-probabilities) is -output[label], and binary
+    cross-entropy against a target above 1 (labels 1 and 2) falls without end as the logit grows: the model
+    lowers them by growing its outputs until they overflow. The lowest finite loss is under 0 and 10 times as far
     from 0 as the first fifth's median (or 1, if more), in a run with class labels (batch counts or a
     holdout); a run that reached NaN counts its finite losses before it."""
     h = holdout_data(run)
@@ -1498,11 +1499,11 @@ def check_negative_loss(run: Run) -> list:
         "negative_loss", "critical",
         f"the train loss of a classifier fell below 0 and on without bound: from a median {_fmt(first)} over the "
         f"first fifth of its finite values to {_fmt(float(x[i]))} at step {int(st[i])}. A loss on class "
-        "probabilities is never negative; NLLLoss on raw outputs is minus the label's output, which the model "
-        "lowers by growing it without end, and its gradients and outputs grow with it.",
+        "probabilities is never negative. NLLLoss on raw outputs (minus the label's output) is, and so is binary "
+        "cross-entropy against targets above 1: the model lowers them by growing its outputs without end.",
         _steps_list([st[0], st[i]]),
         hint="Use F.cross_entropy on the logits, or F.nll_loss on log_softmax(logits): nll_loss expects "
-             "log-probabilities.")]
+             "log-probabilities. Binary targets must be 0 and 1 (labels 1 and 2 minus 1).")]
 
 
 COPIED = 0.8   # a language model whose top prediction is the token at its own position this often copies its input
@@ -3105,7 +3106,7 @@ FINDINGS = {
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
     "negative_loss": (("critical",), "analyzer", "a classifier's train loss falls below 0 and on without bound: "
-                      "NLLLoss on raw outputs, not log-probabilities"),
+                      "NLLLoss on raw outputs, not log-probabilities, or binary targets above 1"),
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),

@@ -1451,3 +1451,36 @@ def test_nll_loss_on_raw_logits_is_named_not_the_learning_rate(tmp_path):
         else:
             assert accuracy > 0.85, accuracy
             assert "negative_loss" not in found, found
+
+
+def test_binary_labels_one_and_two_under_bce_are_a_negative_loss(tmp_path):
+    """Breast cancer's labels shifted to 1 and 2 into BCEWithLogitsLoss, which does not check its targets:
+    against a target of 2 the loss is softplus(x) - 2x, which falls without end as the logit grows, so every
+    output is pushed up and the model says one class for everything (a manual eval pass). negative_loss
+    names it, with the holdout's chance level under it, and its hint names binary targets."""
+    from sklearn.datasets import load_breast_cancer
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y, _ = standardized(load_breast_cancer, fit=300)
+    y = y + 1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "r"), collect_every_n=8))
+    tel.set_holdout_data((x[300:360], y[300:360]))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 401):
+        idx = torch.randint(0, 300, (16,), generator=gen)
+        loss = F.binary_cross_entropy_with_logits(model(x[idx])[:, 0], y[idx].float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+    with torch.no_grad():
+        assert bool((model(x[360:])[:, 0] > 0).all())   # one class for every fresh example
+    assert loss.item() < -10
+    top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
+    assert top[0].code == "negative_loss", [f.code for f in top]
+    assert "holdout_at_chance" in [f.code for f in at.every_finding(top[0].consequences)]
+    assert "Binary targets must be 0 and 1" in top[0].hint
