@@ -2619,8 +2619,9 @@ def check_holdout_off_scale(run: Run) -> list:
     data's preprocessing (standardised train features against raw holdout ones, pixels divided by 255 in one
     and not the other). Root mean square per element: the holdout's from run.json (telemetry measures it at
     set_holdout_data), the training batches' the median over their fingerprints; HOLDOUT_OFF_SCALE times
-    apart or more, over at least 3 batches. Whatever the holdout then says about the model is about the
-    pipeline."""
+    apart or more, over at least 3 batches, and the holdout at chance. Whatever it then says about the model
+    is about the pipeline. A holdout the model reads well is left alone: the batch passed to on_batch_end
+    may be the loader's, before a normalisation the loop applies itself."""
     held, found = _get(run.meta, ["holdout", "input_rms"]), _input_rms(run)
     if not _has_type(held, (int, float)) or not math.isfinite(held) or found is None:
         return []
@@ -2628,7 +2629,7 @@ def check_holdout_off_scale(run: Run) -> list:
     if not train > 0 or not held > 0:
         return []
     ratio = held / train
-    if 1 / HOLDOUT_OFF_SCALE < ratio < HOLDOUT_OFF_SCALE:
+    if 1 / HOLDOUT_OFF_SCALE < ratio < HOLDOUT_OFF_SCALE or not check_holdout_at_chance(run):
         return []
     return [Finding(
         "holdout_off_scale", "warning",
@@ -3121,7 +3122,7 @@ FINDINGS = {
                             "stays at the floor CrossEntropyLoss or BCEWithLogitsLoss has on them: a softmax or "
                             "sigmoid before a loss that applies its own"),
     "holdout_off_scale": (("warning",), "analyzer", "the holdout's inputs are on another scale than the training "
-                          "batches' (4x or more): it skipped their preprocessing"),
+                          "batches' (4x or more), and it reads at chance: it skipped their preprocessing"),
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),

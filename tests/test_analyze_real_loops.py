@@ -1337,12 +1337,14 @@ def test_a_holdout_that_skipped_the_standardisation_is_named_not_the_model(tmp_p
     model: holdout_at_chance, overfitting and an oscillating loss (hint: lower the learning rate). Telemetry
     now measures the holdout's input scale at set_holdout_data (run.json, checked here against numpy on the
     50 examples it keeps), and holdout_off_scale leads, with those under it. The same loop with the holdout
-    standardised says nothing of the kind."""
+    standardised says nothing of the kind, nor does a loop that standardises inside itself and hands
+    on_batch_end the raw batch (then the holdout is on the model's scale and reads well)."""
     from sklearn.datasets import load_breast_cancer
     from telemetry import TelemetryConfig, TrainingTelemetry
 
     x, y, raw = standardized(load_breast_cancer, fit=300)
-    for name in ("raw_holdout", "standardised_holdout"):
+    mean, std = raw[:300].mean(0), raw[:300].std(0, unbiased=False) + 1e-6
+    for name in ("raw_holdout", "standardised_holdout", "standardised_in_the_loop"):
         held = raw[300:360] if name == "raw_holdout" else x[300:360]
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
@@ -1352,11 +1354,16 @@ def test_a_holdout_that_skipped_the_standardisation_is_named_not_the_model(tmp_p
         gen = torch.Generator().manual_seed(0)
         for step in range(1, 401):
             idx = torch.randint(0, 300, (16,), generator=gen)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
+            if name == "standardised_in_the_loop":
+                batch = (raw[idx], y[idx])
+                loss = F.cross_entropy(model((batch[0] - mean) / std), y[idx])
+            else:
+                batch = (x[idx], y[idx])
+                loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
-            tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+            tel.on_batch_end(model, opt, step, 0, batch=batch, loss=loss)
         tel.close()
         with torch.no_grad():
             fresh = (model(x[360:]).argmax(1) == y[360:]).float().mean().item()
