@@ -1038,6 +1038,29 @@ def check_gradients_never_zeroed(run: Run) -> list:
              "accumulating gradients over several micro-batches).")]
 
 
+def check_eval_mode(run: Run) -> list:
+    """The model trains in eval mode: a validation pass's model.eval() without a model.train() after it.
+    Telemetry records eval_mode (its dropout and BatchNorm layers) at the collections where the model was in
+    eval mode at the hook; from the first such collection on, at 90% or more of them and at least 2."""
+    st = [r.get("step") for r in run.records]
+    marked = [i for i, r in enumerate(run.records) if isinstance(r.get("eval_mode"), dict)]
+    if len(marked) < 2 or len(marked) < 0.9 * (len(run.records) - marked[0]):
+        return []
+    layers = run.records[marked[-1]]["eval_mode"]
+    said = " and ".join(f"{n} {what}" for what, n in (("dropout layer(s) drop nothing", layers.get("dropout")),
+                                                       ("BatchNorm layer(s) normalise with frozen running "
+                                                        "statistics", layers.get("batchnorm")))
+                        if _has_type(n, int) and n > 0) or "layers that depend on the mode act as in evaluation"
+    return [Finding(
+        "eval_mode", "warning",
+        f"the model trains in eval mode: at {len(marked)} of the {len(run.records) - marked[0]} collections from "
+        f"step {st[marked[0]]} on it was in eval mode at the hook, so its {said} while it trains.",
+        _steps_list([st[i] for i in marked]),
+        hint="Call model.train() after each evaluation pass (at the start of each epoch's training loop); "
+             "model.eval() stays in force until then. To train without dropout, set its p to 0 instead: eval "
+             "mode also freezes BatchNorm.")]
+
+
 def check_missing_gradients(run: Run) -> list:
     has = present(run, "gradient_norm")
     considered = int(has.sum())
@@ -3053,13 +3076,13 @@ def check_metric_errors(run: Run) -> list:
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
-          check_probability_outputs, check_lora, check_frozen_groups, check_negative_loss, check_constant_inputs,
-          check_labels_not_shifted, check_gradients_clipped, check_weights_collapsed, check_not_learning,
-          check_holdout_off_scale, check_repeated_batches, check_unshuffled_batches, check_padding_supervised,
-          check_unscaled_inputs, check_unscaled_targets, check_class_imbalance, check_nonfinite, check_loss_diverging,
-          check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
-          check_saturated_units, check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance,
-          check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
+          check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode, check_negative_loss,
+          check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_weights_collapsed,
+          check_not_learning, check_holdout_off_scale, check_repeated_batches, check_unshuffled_batches,
+          check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
+          check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
+          check_dead_units, check_saturated_units, check_vanishing_gradients, check_loss_stalled,
+          check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -3074,8 +3097,8 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
-     "unscaled_targets", "negative_loss", "constant_inputs", "labels_not_shifted", "gradients_clipped",
-     "weights_collapsed", "not_learning"),
+     "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
+     "gradients_clipped", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
@@ -3106,6 +3129,8 @@ FINDINGS = {
                      "of the run and stayed there"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
+    "eval_mode": (("warning",), "analyzer", "the model trains in eval mode (model.eval() for validation and no "
+                  "model.train() after it): its dropout is off and its BatchNorm statistics frozen"),
     "negative_loss": (("critical",), "analyzer", "a classifier's train loss falls below 0 and on without bound: "
                       "NLLLoss on raw outputs, not log-probabilities, or binary targets above 1"),
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
@@ -3176,6 +3201,8 @@ CONSEQUENCES = {
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
+    # no dropout: nothing holds back memorising the train set
+    "eval_mode": ("overfitting", "forgetting"),
     # a loss without a floor: the outputs, the gradients and the holdout's loss grow without end
     "negative_loss": _AFTER_A_BLOWUP + ("holdout_at_chance", "overfitting", "forgetting"),
     # a model that copies its input fits its train loss, and its next-token holdout gets worse as it does

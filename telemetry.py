@@ -65,7 +65,7 @@ _OWN_FILES = (RECORDS_FILE, RUN_FILE, LOCK_FILE, "last_checkpoint", "initial_wei
 _SECTION_KEYS = {"start", "reference_step", "grad_profile", "activations", "gradient_norm", "weight_delta",
                  "learning_rates", "holdout_logits", "batch_stats", "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
                  "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
-                 "sparse_quality", "alerts", "system", "custom", "grad_scaler", "grads_never_zeroed"}
+                 "sparse_quality", "alerts", "system", "custom", "grad_scaler", "grads_never_zeroed", "eval_mode"}
 _GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
 MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
 # A spike is also at least this multiple of the rolling median, as the analyzer's loss spikes are: a short
@@ -863,7 +863,7 @@ _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "refere
                     "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
                     "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
                     "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
-                    "batch_stats/input_elements", "grads_never_zeroed")
+                    "batch_stats/input_elements", "grads_never_zeroed", "eval_mode")
 
 
 def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry", classes: Any = ()) -> Dict[str, float]:
@@ -4298,6 +4298,22 @@ def _evaluating(model: torch.nn.Module):
             module.training = mode
 
 
+def eval_mode_modules(model: torch.nn.Module) -> Optional[Dict[str, int]]:
+    """{"dropout": n, "batchnorm": m} when the model is in eval mode at the hook, which a validation pass's
+    model.eval() without a model.train() after it leaves: its dropout layers (p > 0) then drop nothing and its
+    BatchNorm layers normalise with frozen running statistics while it trains. None in training mode, or
+    when it has neither kind of layer (then the mode changes nothing); the walk runs only in eval mode."""
+    if model.training:
+        return None
+    counts = {"dropout": 0, "batchnorm": 0}
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            counts["dropout"] += 1
+        elif isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            counts["batchnorm"] += 1
+    return counts if any(counts.values()) else None
+
+
 def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
     """The batch_stats section: label balance, or token counts for a language-model batch, and a fingerprint
     of the inputs (a loader that hands out the same batch again gives the same one)."""
@@ -5137,6 +5153,7 @@ class TrainingTelemetry:
         c.lockstep = self._ranks.lockstep
         if c.layout is not None:
             self._parameter_sections(c, model, optimizer, device)
+        c.add("eval_mode", eval_mode_modules, model)
         if self._scaler.active:
             c.add("grad_scaler", self._scaler.section)
         if cfg.track_holdout_logits and self._holdout.batches:

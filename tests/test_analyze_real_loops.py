@@ -1491,3 +1491,50 @@ def test_binary_labels_one_and_two_under_bce_are_a_negative_loss(tmp_path):
     assert top[0].code == "negative_loss", [f.code for f in top]
     assert "holdout_at_chance" in [f.code for f in at.every_finding(top[0].consequences)]
     assert "Binary targets must be 0 and 1" in top[0].hint
+
+
+def test_a_loop_that_never_returns_to_train_mode_is_told(tmp_path):
+    """An epoch loop that runs a validation pass under model.eval() after each epoch and never calls
+    model.train() again: from the second epoch on the model trains with its dropout off and its BatchNorm
+    frozen. Telemetry records eval_mode (the model's dropout and BatchNorm layers, counted here from the
+    model) at exactly the collections where the loop had it in eval mode, and the analyzer names it; the
+    same loop with model.train() at each epoch's start records nothing of it."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    for name in ("forgot_train", "train_each_epoch"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Dropout(0.5), nn.Linear(256, 10))
+        layers = {"dropout": sum(isinstance(m, nn.Dropout) for m in model.modules()),
+                  "batchnorm": sum(isinstance(m, nn.BatchNorm1d) for m in model.modules())}
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
+        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+        gen, step, seen = torch.Generator().manual_seed(0), 0, []
+        for epoch in range(6):
+            if name == "train_each_epoch":
+                model.train()
+            perm = torch.randperm(1000, generator=gen)
+            for b in range(31):
+                idx, step = perm[b * 32:(b + 1) * 32], step + 1
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                record = tel.on_batch_end(model, opt, step, epoch, batch=(x[idx], y[idx]), loss=loss)
+                if record:
+                    seen.append((model.training, record.get("eval_mode")))
+            model.eval()
+            with torch.no_grad():
+                model(x[1000:1100])
+        tel.close()
+        assert all(mode == (marked is None) for mode, marked in seen)
+        assert all(marked in (None, layers) for _, marked in seen)
+        _, found = codes(tmp_path / name)
+        if name == "forgot_train":
+            assert sum(marked is not None for _, marked in seen) > 10
+            assert "eval_mode" in found
+        else:
+            assert "eval_mode" not in found and all(marked is None for _, marked in seen)
