@@ -367,6 +367,8 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
             trace.train_acc.append(float(acc))
         scalars = {} if acc is None else {"train_acc": acc}
         telemetry.on_batch_end(model, optimizer, step, (step - 1) // per_epoch, batch=batch, loss=loss, **scalars)
+        if plant == "eval_mode" and step == per_epoch:  # the bug: model.eval() for a pass, never train() again
+            model.eval()
         if plant == "grads_never_zeroed":  # the bug: no zero_grad, so backward() adds into the same gradients
             trace.grad_ids.add(id(next(model.parameters()).grad))
         else:
@@ -574,6 +576,12 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"rms {rms:.0f}, test R2 {acc:.3f}",
                        f"train targets' root mean square {rms:.1f} (needs >= 10); test R^2 {acc:.3f} vs {ref:.3f} for "
                        f"ridge regression (needs <= {ref - 0.1:.3f}, or not a number)")
+    if plant == "eval_mode":  # in eval mode from the end of the first epoch on, with layers the mode changes
+        layers = sum(isinstance(m, (nn.BatchNorm1d, nn.Dropout)) for m in model.modules())
+        ok = not model.training and layers > 0
+        return Verdict(ok, f"eval mode {not model.training}, {layers} layer(s)",
+                       f"model.training at the end {model.training} (needs False); BatchNorm or dropout layers: "
+                       f"{layers} (needs > 0); test acc {acc:.3f}")
     if plant == "negative_loss":  # the loss ran far below 0, and the model at chance on the test set
         finite = [v for v in t.losses if math.isfinite(v)]
         lowest = min(finite) if finite else math.nan
