@@ -1538,3 +1538,19 @@ def test_a_loop_that_never_returns_to_train_mode_is_told(tmp_path):
             assert "eval_mode" in found
         else:
             assert "eval_mode" not in found and all(marked is None for _, marked in seen)
+
+
+def test_a_holdout_of_other_label_shares_than_balanced_batches_hints_at_the_split(tmp_path):
+    """Breast cancer as sklearn ships it, not shuffled: the first 300 examples train (49% class 0), the next
+    60 are the holdout (24% class 0). The batches are balanced enough, so rebalancing them is not what to
+    do; class_imbalance says the shares differ and hints at splitting the holdout off at random."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x = (x - x[:300].mean(0)) / x[:300].std(0)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y)
+    assert abs((y[:300] == 0).float().mean().item() - 0.49) < 0.02 and (y[300:360] == 0).float().mean() < 0.3
+    sklearn_run(tmp_path / "r", x[:300], y[:300], (x[300:360], y[300:360]), steps=400)
+    _, found = codes(tmp_path / "r")
+    assert "class_imbalance" in found, found
+    assert found["class_imbalance"].hint.startswith("Split the holdout off the training data at random")
