@@ -2928,7 +2928,9 @@ def check_dead_units(run: Run) -> list:
         group=rows[0][0],
         hint=("Lower the learning rate (or warm it up, or clip gradients): units that die during training were "
               "pushed there by large updates, and dead ReLUs pass no gradient, so they never recover. "
-              if died else "Check the biases and the init (Kaiming for ReLU); ")
+              if died else "Check the biases and the init (Kaiming for ReLU)"
+              + (f", and the learning rate: the first collection came {rows[0][3]} steps in, and a large first "
+                 "update kills units as surely; " if rows[0][3] > 1 else "; "))
         + "LeakyReLU/GELU or normalisation before the activation also keep units alive.")]
 
 

@@ -1554,3 +1554,39 @@ def test_a_holdout_of_other_label_shares_than_balanced_batches_hints_at_the_spli
     _, found = codes(tmp_path / "r")
     assert "class_imbalance" in found, found
     assert found["class_imbalance"].hint.startswith("Split the holdout off the training data at random")
+
+
+def test_units_dead_by_the_first_collection_hint_at_the_first_steps_too(tmp_path):
+    """The digits MLP with Adam at lr 0.03: by the first collection (step 8) most units of a ReLU layer are
+    dead, killed by the first large updates, not by the init (the same net at lr 1e-3 keeps them). The
+    analyzer's hint named only the biases and the init; it now names the learning rate as well, with how
+    many steps came before the first collection."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    for lr in (3e-2, 1e-3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / str(lr)), collect_every_n=8))
+        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+        gen = torch.Generator().manual_seed(0)
+        for step in range(1, 401):
+            idx = torch.randint(0, 1000, (32,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+        tel.close()
+        with torch.no_grad():   # the share of the first ReLU's units that never fire on the holdout kept
+            hidden = model[1](model[0](x[1000:1050]))
+            dead = (hidden.amax(0) <= 0).float().mean().item()
+        _, found = codes(tmp_path / str(lr))
+        if lr == 3e-2:
+            assert dead > 0.5, dead
+            assert "the learning rate: the first collection came 8 steps in" in found["dead_units"].hint
+        else:
+            assert dead < 0.5 and "dead_units" not in found, (dead, found)
