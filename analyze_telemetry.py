@@ -1542,8 +1542,8 @@ def check_labels_not_shifted(run: Run) -> list:
     if not h or h.kind != "lm":
         return []
     copied = np.array([_num(r.get("copy_accuracy")) for r in h.raw])
-    tokens = [r.get("tokens") for r in h.raw[-1:]]
-    counted = sum(v for v in tokens[0] if _has_type(v, int)) if tokens and isinstance(tokens[0], list) else 0
+    tokens = h.raw[-1].get("tokens") if h.raw else None
+    counted = sum(v for v in tokens if _has_type(v, int)) if isinstance(tokens, list) else 0
     late_copy, late_next = _late(h, copied), _late(h, h.accuracy)
     if late_copy is None or late_next is None or counted < 50:
         return []

@@ -317,27 +317,36 @@ def sklearn_run(out, x, y, holdout, hidden=(32,), lr=1e-3, steps=500, batch=16, 
     return model
 
 
-def sampled_run(out, model, x, y, holdout, steps, batch, loss_fn=F.cross_entropy, lr=1e-3, schedule=None):
-    """Adam on batches of `batch` drawn with replacement from (x, y), collecting every 8 steps with the real
-    TrainingTelemetry; `holdout` = (x, y) given to set_holdout_data; `schedule(optimizer)`, a learning-rate
-    scheduler stepped after every optimizer step."""
+def sampled_run(out, model, x, y, holdout, steps, batch, loss_fn=F.cross_entropy, lr=1e-3, schedule=None,
+                opt=None, clip=None, first=0, seen=None):
+    """`opt` (by default Adam at `lr`) on batches of `batch` drawn with replacement from (x, y), batch_idx
+    counting from `first`, collecting every 8 steps with the real TrainingTelemetry; `holdout` = (x, y)
+    given to set_holdout_data; `schedule(optimizer)`, a learning-rate scheduler stepped after every
+    optimizer step; `clip`, clip_grad_norm_ at that max_norm before every step; `seen(record, batch, loss)`
+    for each record the hook returns. Returns the last loss."""
     from telemetry import TelemetryConfig, TrainingTelemetry
 
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    if opt is None:
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
     scheduler = schedule(opt) if schedule else None
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=8))
     tel.set_holdout_data(holdout)
     gen = torch.Generator().manual_seed(0)
-    for step in range(steps):
+    for step in range(first, first + steps):
         idx = torch.randint(0, len(y), (batch,), generator=gen)
         loss = loss_fn(model(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         if scheduler:
             scheduler.step()
-        tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+        record = tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+        if record and seen:
+            seen(record, (x[idx], y[idx]), loss)
     tel.close()
+    return loss
 
 
 def standardized(loader, seed=0, fit=None):
@@ -1117,7 +1126,6 @@ def test_weight_decay_that_collapses_the_weights_is_named_before_the_chance_leve
     weights. The same loops at weight_decay 5e-4 (SGD) and AdamW's decoupled 0.1 learn (fresh accuracy over
     0.85) and say nothing of the kind."""
     from sklearn.datasets import load_digits
-    from telemetry import TelemetryConfig, TrainingTelemetry
 
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
@@ -1128,18 +1136,10 @@ def test_weight_decay_that_collapses_the_weights_is_named_before_the_chance_leve
     for name, (kind, options) in loops.items():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-        opt = kind(model.parameters(), **options)
-        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
-        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
-        gen, record = torch.Generator().manual_seed(0), None
-        for step in range(400):
-            idx = torch.randint(0, 1000, (32,), generator=gen)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            record = tel.on_batch_end(model, opt, step + 1, 0, batch=(x[idx], y[idx]), loss=loss) or record
-        tel.close()
+        records = []
+        sampled_run(tmp_path / name, model, x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), 400, 32,
+                    opt=kind(model.parameters(), **options), first=1, seen=lambda r, *_: records.append(r))
+        record = records[-1]
         with torch.no_grad():
             accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
         assert record["step"] == 400   # the last collection saw the final weights
@@ -1239,7 +1239,6 @@ def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     does not scale with the gradient, at too low a learning rate and clipped at every step, is not told
     about clipping."""
     from sklearn.datasets import load_digits
-    from telemetry import TelemetryConfig, TrainingTelemetry
 
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
@@ -1250,22 +1249,13 @@ def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
         start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        opt = kind(model.parameters(), **options)
-        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
-        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
-        gen, recorded, after_clip = torch.Generator().manual_seed(0), [], []
-        for step in range(1, 401):
-            idx = torch.randint(0, 1000, (32,), generator=gen)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            opt.step()
-            record = tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
-            if record:
-                recorded.append(record["gradient_norm"]["overall"])
-                after_clip.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-        tel.close()
+        recorded, after_clip = [], []
+
+        def seen(record, *_):
+            recorded.append(record["gradient_norm"]["overall"])
+            after_clip.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        sampled_run(tmp_path / name, model, x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), 400, 32,
+                    opt=kind(model.parameters(), **options), clip=max_norm, first=1, seen=seen)
         assert recorded == pytest.approx(after_clip, rel=1e-5)
         with torch.no_grad():
             accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
@@ -1292,7 +1282,11 @@ def test_inputs_blanked_by_integer_division_are_named_before_dead_units(tmp_path
     batch itself), with dead_units and the chance level under it. The same loop on x / 16 learns (fresh
     accuracy over 0.85) and says nothing of the kind."""
     from sklearn.datasets import load_digits
-    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    def seen(record, batch, _):
+        inputs = batch[0].double()
+        assert record["batch_stats"]["fingerprint"] == pytest.approx(
+            [inputs.sum().item(), inputs.square().sum().item()], rel=1e-5, abs=1e-6)
 
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y)
@@ -1300,22 +1294,8 @@ def test_inputs_blanked_by_integer_division_are_named_before_dead_units(tmp_path
         xs = torch.div(x, 255, rounding_mode="floor") if name == "floor_divided" else x / 16.0
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
-        tel.set_holdout_data((xs[1000:1100], y[1000:1100]))
-        gen = torch.Generator().manual_seed(0)
-        for step in range(1, 401):
-            idx = torch.randint(0, 1000, (32,), generator=gen)
-            loss = F.cross_entropy(model(xs[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            record = tel.on_batch_end(model, opt, step, 0, batch=(xs[idx], y[idx]), loss=loss)
-            if record:
-                batch = xs[idx].double()
-                assert record["batch_stats"]["fingerprint"] == pytest.approx(
-                    [batch.sum().item(), batch.square().sum().item()], rel=1e-5, abs=1e-6)
-        tel.close()
+        sampled_run(tmp_path / name, model, xs[:1000], y[:1000], (xs[1000:1100], y[1000:1100]), 400, 32,
+                    first=1, seen=seen)
         with torch.no_grad():
             accuracy = (model(xs[1100:]).argmax(1) == y[1100:]).float().mean().item()
         run, found = codes(tmp_path / name)
@@ -1424,28 +1404,18 @@ def test_nll_loss_on_raw_logits_is_named_not_the_learning_rate(tmp_path):
     overfitting; negative_loss now leads, with them under it. The same loop on log_softmax learns (fresh
     accuracy over 0.85) and says nothing of the kind."""
     from sklearn.datasets import load_digits
-    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    def seen(record, _, loss):
+        assert record["loss"] == pytest.approx(loss.item(), rel=1e-6)
 
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
     for name in ("raw", "log_softmax"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=8))
-        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
-        gen = torch.Generator().manual_seed(0)
-        for step in range(1, 401):
-            idx = torch.randint(0, 1000, (32,), generator=gen)
-            out = model(x[idx])
-            loss = F.nll_loss(out if name == "raw" else F.log_softmax(out, -1), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            record = tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
-            if record:
-                assert record["loss"] == pytest.approx(loss.item(), rel=1e-6)
-        tel.close()
+        loss = sampled_run(tmp_path / name, model, x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), 400, 32,
+                           lambda out, t: F.nll_loss(out if name == "raw" else F.log_softmax(out, -1), t),
+                           first=1, seen=seen)
         with torch.no_grad():
             accuracy = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
         run, found = codes(tmp_path / name)
@@ -1562,25 +1532,14 @@ def test_units_dead_by_the_first_collection_hint_at_the_first_steps_too(tmp_path
     analyzer's hint named only the biases and the init; it now names the learning rate as well, with how
     many steps came before the first collection."""
     from sklearn.datasets import load_digits
-    from telemetry import TelemetryConfig, TrainingTelemetry
 
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
     for lr in (3e-2, 1e-3):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / str(lr)), collect_every_n=8))
-        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
-        gen = torch.Generator().manual_seed(0)
-        for step in range(1, 401):
-            idx = torch.randint(0, 1000, (32,), generator=gen)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
-        tel.close()
+        sampled_run(tmp_path / str(lr), model, x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), 400, 32, lr=lr,
+                    first=1)
         with torch.no_grad():   # the share of the first ReLU's units that never fire on the holdout kept
             hidden = model[1](model[0](x[1000:1050]))
             dead = (hidden.amax(0) <= 0).float().mean().item()
