@@ -974,16 +974,21 @@ def _lora_mats(a: torch.Tensor, b: torch.Tensor) -> tuple:
     return a.detach().to(wide), b.detach().to(a.device, wide)
 
 
-def lora_norm_sq(a: torch.Tensor, b: torch.Tensor, scale: Any) -> torch.Tensor:
-    """||s B A||_F^2 = s^2 <B^T B, A A^T>, from two r x r Gram matrices: the dense B @ A is never formed.
-
-    A is [r, fan_in] and B [fan_out, r], or stacks of them ([m, r, fan_in], [m, fan_out, r]) with s a scalar
-    or [m]: one value per pair. ||BA||^2 = tr(A^T B^T B A) = tr((B^T B)(A A^T)), and a trace of a product of
-    symmetric matrices is their elementwise inner product. Cost r^2 (fan_in + fan_out) instead of
-    r fan_in fan_out.
-    """
+def lora_grams(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """(B^T B, A A^T), the two r x r Gram matrices of a pair, wide: A is [r, fan_in] and B [fan_out, r], or
+    stacks of them ([m, r, fan_in], [m, fan_out, r]). Cost r^2 (fan_in + fan_out): the dense B A is never formed."""
     a, b = _lora_mats(a, b)
-    return ((b.mT @ b) * (a @ a.mT)).sum((-2, -1)) * (scale * scale)
+    return b.mT @ b, a @ a.mT
+
+
+def lora_norm_sq(a: torch.Tensor, b: torch.Tensor, scale: Any) -> torch.Tensor:
+    """||s B A||_F^2 = s^2 <B^T B, A A^T> (shapes as lora_grams; s a scalar or one per pair of a stack).
+
+    ||BA||^2 = tr(A^T B^T B A) = tr((B^T B)(A A^T)), and a trace of a product of symmetric matrices is their
+    elementwise inner product.
+    """
+    gb, ga = lora_grams(a, b)
+    return (gb * ga).sum((-2, -1)) * (scale * scale)
 
 
 def lora_delta_sq(a: torch.Tensor, b: torch.Tensor, a_prev: torch.Tensor, b_prev: torch.Tensor,
@@ -1002,21 +1007,22 @@ def lora_delta_sq(a: torch.Tensor, b: torch.Tensor, a_prev: torch.Tensor, b_prev
     return ((p.mT @ p) * (q @ q.mT)).sum((-2, -1)) * (scale * scale)
 
 
-def lora_core(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The small matrix R_B R_A^T that has the singular values of B A (shapes as lora_norm_sq).
+def stable_ranks(gb: torch.Tensor, ga: torch.Tensor) -> torch.Tensor:
+    """||B A||_F^2 / sigma_max(B A)^2 of each pair of a stack, from its Grams [m, r, r] (lora_grams): 0 for a
+    zero product, NaN where a Gram is not finite.
 
-    With reduced QRs B = Q_B R_B and A^T = Q_A R_A, B A = Q_B (R_B R_A^T) Q_A^T, and Q_B, Q_A have
-    orthonormal columns: the SVD of an r x r matrix replaces that of the fan_out x fan_in product.
+    sigma_max^2 is the top eigenvalue of (B^T B)(A A^T). With A A^T = S S^T (S = V sqrt(L) from its eigh), that
+    product has the eigenvalues of the symmetric S^T B^T B S: two batched r x r eigensolves. QRs of the
+    fan_out x r and fan_in x r factors give the same to rounding but cost milliseconds per adapter shape on a
+    GPU, and in float64 the Grams lose nothing that matters to the largest eigenvalue.
     """
-    a, b = _lora_mats(a, b)
-    return torch.linalg.qr(b, mode="r")[1] @ torch.linalg.qr(a.mT, mode="r")[1].mT
-
-
-def stable_ranks(cores: torch.Tensor) -> torch.Tensor:
-    """||M||_F^2 / sigma_max(M)^2 of each matrix of a stack [m, k, k] (0 for a zero matrix), one batched SVD."""
-    sv = torch.linalg.svdvals(cores)  # [m, k], descending
-    top = sv[:, 0].square()
-    return torch.where(top > 0, sv.square().sum(1) / top.clamp(min=torch.finfo(top.dtype).tiny), 0.0)
+    finite = gb.isfinite().all(-1).all(-1) & ga.isfinite().all(-1).all(-1)
+    gb, ga = (torch.where(finite[:, None, None], g, 0.0) for g in (gb, ga))  # eigh refuses non-finite input
+    values, vectors = torch.linalg.eigh(ga)
+    s = vectors * values.clamp(min=0).sqrt().unsqueeze(-2)
+    top = torch.linalg.eigvalsh(s.mT @ gb @ s)[:, -1]
+    ranks = torch.where(top > 0, (gb * ga).sum((-2, -1)) / top.clamp(min=torch.finfo(top.dtype).tiny), 0.0)
+    return torch.where(finite, ranks, torch.nan)
 
 
 def _by_layer(values_sq: torch.Tensor, layers: List[Optional[int]]) -> Dict[str, Any]:
@@ -1024,8 +1030,8 @@ def _by_layer(values_sq: torch.Tensor, layers: List[Optional[int]]) -> Dict[str,
     out: Dict[str, Any] = {"overall": values_sq.sum().sqrt()}
     index = sorted({i for i in layers if i is not None})
     if index:
-        rows = torch.tensor([index.index(i) if i is not None else len(index) for i in layers],
-                            device=values_sq.device)
+        rows = _to_device(torch.tensor([index.index(i) if i is not None else len(index) for i in layers]),
+                          values_sq.device)
         per = torch.zeros(len(index) + 1, dtype=values_sq.dtype, device=values_sq.device)
         per = per.index_add(0, rows, values_sq).sqrt()
         out.update((f"layer_{i}", per[k]) for k, i in enumerate(index))
@@ -1059,16 +1065,14 @@ def lora_stats(entries: List[tuple], previous: Optional[Any] = None) -> Dict[str
     leaves adapter_delta null. Norms are Frobenius norms of dW = s B A, combined over modules (and per layer
     index) by root-sum-square. For DoRA they cover the low-rank part s B A, not the magnitude rescaling.
     Adapters of one shape are stacked and measured together: a model's hundreds of adapters come to a few
-    batched products, QRs and SVDs rather than several small ones each.
+    batched products and eigensolves rather than several small ones each.
     """
     prev = list(previous) if previous is not None else None
     device = entries[0][1].device
-    wide = _wide(device)
-    norm_sq, delta_sq, ranks = (torch.zeros(len(entries), dtype=wide, device=device) for _ in range(3))
-    b_nonzero = torch.zeros(len(entries), dtype=torch.bool, device=device)
     shapes: Dict[tuple, List[int]] = {}  # adapters of one shape (and device): measured as one stack
     for k, (_, a, b, _) in enumerate(entries):
         shapes.setdefault((a.device, a.shape, b.shape), []).append(k)
+    parts: Dict[str, List[torch.Tensor]] = {"norm_sq": [], "delta_sq": [], "ranks": [], "b_nonzero": []}
     grad_sq = {"A": [], "B": []}
     for (dev, a_full, b_full), idx in shapes.items():
         r = a_full[0]
@@ -1076,18 +1080,24 @@ def lora_stats(entries: List[tuple], previous: Optional[Any] = None) -> Dict[str
         a = _stacked([entries[k][1] for k in idx], a_shape, dev)
         b = _stacked([entries[k][2] for k in idx], b_shape, dev)
         scale = _scales([entries[k][3] for k in idx], dev)
-        rows = torch.tensor(idx, device=device)
-        norm_sq[rows] = lora_norm_sq(a, b, scale).to(device)
+        gb, ga = lora_grams(a, b)
+        parts["norm_sq"].append(((gb * ga).sum((-2, -1)) * (scale * scale)).to(device))
         if prev is not None:
             a0 = _stacked([prev[k][0] for k in idx], a_shape, dev)
             b0 = _stacked([prev[k][1] for k in idx], b_shape, dev)
-            delta_sq[rows] = lora_delta_sq(a, b, a0, b0, scale).to(device)
-        ranks[rows] = stable_ranks(lora_core(a, b)).to(device, wide)
-        b_nonzero[rows] = b.ne(0).flatten(1).any(1).to(device)
+            parts["delta_sq"].append(lora_delta_sq(a, b, a0, b0, scale).to(device))
+        parts["ranks"].append(stable_ranks(gb, ga).to(device))
+        parts["b_nonzero"].append(b.ne(0).flatten(1).any(1).to(device))
         for key, col in (("A", 1), ("B", 2)):  # a stack of a group's gradients: one op, not one per tensor
             grads = [entries[k][col].grad for k in idx if entries[k][col].grad is not None]
             if grads:
                 grad_sq[key].append(_stacked(grads, (grads[0].numel(),), dev).square().sum().to(device))
+    order = _to_device(torch.tensor([k for idx in shapes.values() for k in idx]), device)
+
+    def in_order(key):  # the groups' values back in the entries' order: one index for all groups
+        values = torch.cat(parts[key])
+        return torch.empty_like(values).index_copy_(0, order, values)
+    norm_sq, ranks, b_nonzero = in_order("norm_sq"), in_order("ranks"), in_order("b_nonzero")
     layers = [layer_index(name) for name, *_ in entries]
     norms = _by_layer(norm_sq, layers)
 
@@ -1095,7 +1105,8 @@ def lora_stats(entries: List[tuple], previous: Optional[Any] = None) -> Dict[str
         return torch.stack(grad_sq[key]).sum().sqrt() if grad_sq[key] else None
 
     return {"modules": len(entries), "adapter_norm": norms,
-            "adapter_delta": (_by_layer(delta_sq, layers) if prev is not None else {k: None for k in norms}),
+            "adapter_delta": (_by_layer(in_order("delta_sq"), layers) if prev is not None else
+                              {k: None for k in norms}),
             "grad_norm_A": grad_norm("A"), "grad_norm_B": grad_norm("B"),
             "b_zero_fraction": 1.0 - b_nonzero.float().mean(),
             "stable_rank": {"min": ranks.min(), "median": ranks.quantile(0.5), "max": ranks.max()}}
@@ -1413,24 +1424,33 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
                 with lock:
                     handed[i] += values.numel()
 
+            def joins(run: List[int], i: int) -> bool:
+                # Consecutive tensors of one device and dtype go as one block: in CPU memory small ones up to
+                # CHUNK_BYTES, from MIN_STACKED on (see SMALL_TENSOR_BYTES); on a device any up to
+                # DEVICE_BLOCK_BYTES, since each piece from a GPU costs a transfer and a wait.
+                t, first = tensors[i], tensors[run[0]]
+                span = starts[i] + t.numel() * t.element_size() - starts[run[0]]
+                if (t.device, t.dtype) != (first.device, first.dtype):
+                    return False
+                if t.device.type == "cpu":
+                    return _small(t) and _small(first) and span <= CHUNK_BYTES
+                return span <= DEVICE_BLOCK_BYTES
+
             def write_data():
-                # What put() did not write, run by run: a run is one tensor, or consecutive small tensors of one
-                # device and dtype up to CHUNK_BYTES, written as one block from MIN_STACKED on (see
-                # SMALL_TENSOR_BYTES): from a GPU, one transfer and one wait for all of them.
+                # What put() did not write, run by run: a run is one tensor, or consecutive ones that joins().
                 runs: List[List[int]] = []
                 for i, t in enumerate(tensors):
                     run = runs[-1] if runs else []
                     if handed[i] == t.numel():
                         runs.append([])  # written already: the next tensor is not next to the last in the file
-                    elif run and _small(t) and _small(tensors[run[0]]) \
-                            and (t.device, t.dtype) == (tensors[run[0]].device, tensors[run[0]].dtype) \
-                            and starts[i] + t.numel() * t.element_size() - starts[run[0]] <= CHUNK_BYTES:
+                    elif run and joins(run, i):
                         run.append(i)
                     else:
                         runs.append([i])
                 for run in filter(None, runs):
                     f.seek(starts[run[0]])
-                    blocks = [torch.cat([tensors[k].reshape(-1) for k in run])] if len(run) >= MIN_STACKED else \
+                    least = MIN_STACKED if tensors[run[0]].device.type == "cpu" else 2
+                    blocks = [torch.cat([tensors[k].reshape(-1) for k in run])] if len(run) >= least else \
                         [tensors[k] for k in run]
                     for block in blocks:
                         for chunk in _host_chunks(block):
@@ -1442,8 +1462,8 @@ def write_tensor_file(path: str, named: List[tuple], meanwhile: Optional[Callabl
             elif all(t.device.type == "cpu" for t in tensors):
                 result = meanwhile(put)
                 write_data()
-            else:  # the data on a thread of its own, after the work the caller queued on its own stream
-                stream = _callers_stream(tensors)
+            else:  # the data on a thread and a stream of its own, after the work the caller queued
+                stream = _side_stream(tensors)
                 result = _concurrently(lambda: meanwhile(None), lambda: _on_stream(stream, write_data))[0]
         if os.path.lexists(path):
             _replace_keeping_old(target, path, spare)
@@ -1462,15 +1482,20 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[done:], offset + done
 
 
-def _callers_stream(tensors: List[torch.Tensor]) -> Optional[Any]:
-    """This thread's current CUDA stream on the first CUDA tensor's device (None without one), for work done
-    on other threads (see _on_stream)."""
+def _side_stream(tensors: List[torch.Tensor]) -> Optional[Any]:
+    """A CUDA stream of its own on the first CUDA tensor's device (None without one), ordered after the work
+    this thread has queued on its current stream, which may be a training loop's own: the copies back to the
+    host that go on it run beside the pass's copies to the device instead of queued behind them."""
     cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
-    return torch.cuda.current_stream(cuda) if cuda is not None else None
+    if cuda is None:
+        return None
+    side = torch.cuda.Stream(cuda)
+    side.wait_stream(torch.cuda.current_stream(cuda))
+    return side
 
 
 def _on_stream(stream: Optional[Any], fn: Callable[[], Any]) -> Any:
-    """fn() with `stream` (from _callers_stream) current: a thread's own current stream is the default one,
+    """fn() with `stream` (from _side_stream) current: a thread's own current stream is the default one,
     which need not be ordered after the work a training loop queued on a stream of its own."""
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         return fn()

@@ -98,7 +98,7 @@ def test_host_chunks_are_the_tensors_bytes(dtype):
 
 def test_lora_on_the_device_matches_peft_delta_weights(tmp_path):
     """Adapters of several shapes (rank 8 on q_proj and down_proj, 2 on v_proj): stacked per shape on the
-    device, against peft's get_delta_weight and float64 products of the factors the test kept; the weight
+    device, against peft's get_delta_weight, float64 products of the factors the test kept and their SVDs; the weight
     pass (many adapters to a block) against float64 copies, and the reference file bit for bit."""
     peft = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -130,6 +130,9 @@ def test_lora_on_the_device_matches_peft_delta_weights(tmp_path):
         peft_sq = sum(float(m.get_delta_weight("default").double().square().sum()) for _, m in layers)
         assert reference_is(tmp_path, model)  # two dozen small adapter tensors, written as runs
         assert lora["adapter_norm"]["overall"] == pytest.approx(peft_sq ** 0.5, rel=1e-5)
+        sv = [torch.linalg.svdvals(d) for d in dense().values()]  # stable ranks from the device's eigensolves
+        ranks = sorted(float(s.square().sum() / s[0] ** 2) for s in sv)
+        assert [lora["stable_rank"][k] for k in ("min", "max")] == pytest.approx([ranks[0], ranks[-1]], rel=1e-9)
         if step:
             after = dense()
             delta = sum(float((after[n] - before[n]).square().sum()) for n in after) ** 0.5

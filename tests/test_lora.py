@@ -118,6 +118,41 @@ def test_adapter_norm_and_stable_rank_match_peft_dense(tmp_path, use_rslora, use
     assert lora["b_zero_fraction"] == 0.0
 
 
+def test_stable_ranks_from_grams_match_the_dense_svd():
+    # Four pairs of one shape: random, a fresh adapter (B = 0), rank one, and singular values from 1 to 1e-6.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 8, 300, generator=g)
+    b = torch.randn(4, 500, 8, generator=g)
+    b[1] = 0
+    b[2] = torch.randn(500, 1, generator=g) * torch.randn(1, 8, generator=g)
+    q = torch.linalg.qr(torch.randn(500, 8, generator=g, dtype=torch.float64))[0]
+    b[3] = (q * torch.logspace(0, -6, 8, dtype=torch.float64)).float()
+    ranks = telemetry.stable_ranks(*telemetry.lora_grams(a, b))
+    for k in range(4):
+        s = torch.linalg.svdvals(b[k].double() @ a[k].double())
+        ref = float(s.square().sum() / s[0] ** 2) if s[0] > 0 else 0.0
+        assert (float(ranks[k]) == ref == 0.0) if k == 1 else rel(float(ranks[k]), ref) < 1e-10
+    b[0, 3, 2] = float("nan")  # a non-finite adapter has no rank; the others keep theirs
+    again = telemetry.stable_ranks(*telemetry.lora_grams(a, b))
+    assert math.isnan(float(again[0])) and torch.equal(again[1:], ranks[1:])
+
+
+def test_a_nonfinite_adapter_leaves_the_other_layers_norms(tmp_path):
+    model = lora_model()
+    randomize_adapters(model, 1)
+    layers = lora_layers(model)
+    with torch.no_grad():
+        next(m for n, m in layers if layer_of(n) == 0).lora_A["default"].weight[0, 0] = float("nan")
+    dense = dense_deltas(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nonfinite alert
+        rec = new_telemetry(tmp_path, track_gradients=False).on_batch_end(model, None, 1, 0)
+    norms = rec["lora"]["adapter_norm"]
+    assert norms["layer_0"] is None and norms["overall"] is None  # NaN, recorded as null
+    ref = math.sqrt(sum(float(d.square().sum()) for n, d in dense.items() if layer_of(n) == 1))
+    assert rel(norms["layer_1"], ref) < 1e-5
+
+
 def test_an_inactive_adapter_is_left_out_of_the_lora_section(tmp_path):
     """A trained adapter "old" kept beside a new one that is being trained: only the active "new" is measured.
     Its B is still zero, so b_zero_fraction is 1 and adapter_norm 0, as get_delta_weight("new") says."""
