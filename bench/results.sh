@@ -81,27 +81,33 @@ $PY bench/compare.py "$@"
     echo "## On a GPU"
     echo
     echo "Measured on a lent machine with one H100 (Firecracker, 16 cores), not by this script (CI and this machine"
-    echo "have no GPU), in one call: bench/gpu/h100.json from \`python3 bench/gpu_cost.py --block 10 --rounds 3"
-    echo "--collections 6 --json bench/gpu/h100.json\` on telemetry.py of 5362902; then bench/gpu/h100_baseline.json from"
+    echo "have no GPU), in one call, one command after the other: \`python3 -m pytest tests/test_gpu.py\` (5 passed);"
+    echo "bench/gpu/h100_pass.json from \`python3 bench/gpu_pass.py --baseline OLD_TELEMETRY_PY --blocks 32 --json"
+    echo "bench/gpu/h100_pass.json\`; bench/gpu/h100.json from \`python3 bench/gpu_cost.py --block 10 --rounds 3"
+    echo "--collections 6 --json bench/gpu/h100.json\` on telemetry.py of 1c98077; then bench/gpu/h100_baseline.json from"
     echo "\`python3 bench/gpu_cost.py --telemetry OLD_TELEMETRY_PY --configs ours:1 --block 10 --rounds 3 --collections 4"
-    echo "--json bench/gpu/h100_baseline.json\`, OLD_TELEMETRY_PY being telemetry.py of a569fb6, whose weight pass went in"
-    echo "2 MiB chunks on four threads; 5362902 passes weights on a GPU in blocks of 8 MiB. The next commit, 83d9dc9,"
-    echo "takes blocks of 32 MiB and drops a wait per block that 5362902 made; it was not measured on a GPU (the"
-    echo "device time was spent), and the tables below are 5362902's."
+    echo "--json bench/gpu/h100_baseline.json\`, OLD_TELEMETRY_PY being telemetry.py of be9c43d, which took LoRA stable"
+    echo "ranks from QRs and SVDs and wrote the adapters to the reference one by one. The two gpu_cost.py runs are two"
+    echo "processes, whose hook times compare loosely (a later call measured be9c43d again, below); the parts of a"
+    echo "collection, and gpu_pass.py, which holds both versions in one process, compare closely."
     echo "Printed by \`$PY bench/gpu_cost.py --from-json bench/gpu/h100.json --baseline-json bench/gpu/h100_baseline.json\`:"
     echo
     $PY bench/gpu_cost.py --from-json bench/gpu/h100.json --baseline-json bench/gpu/h100_baseline.json
     echo
-    echo "An earlier call, on another lent H100, measured telemetry.py of a569fb6 alone, bench/gpu/h100_earlier_call.json,"
-    echo "from \`python3 bench/gpu_cost.py --block 10 --rounds 4 --collections 6 --json bench/gpu/h100_earlier_call.json\`."
-    echo "Printed by \`$PY bench/gpu_cost.py --from-json bench/gpu/h100_earlier_call.json\`:"
+    echo "The previous version's own figures in that call, with where its collections' time went. Printed by"
+    echo "\`$PY bench/gpu_cost.py --from-json bench/gpu/h100_baseline.json\`:"
     echo
-    $PY bench/gpu_cost.py --from-json bench/gpu/h100_earlier_call.json
+    $PY bench/gpu_cost.py --from-json bench/gpu/h100_baseline.json
     echo
-    echo "The pass alone on GPT-2's weights (ms, medians of 5), in the call of bench/gpu/h100.json: bench/gpu/h100_pass.json"
-    echo "from \`python3 bench/gpu_pass.py --baseline OLD_TELEMETRY_PY --json bench/gpu/h100_pass.json\` (run as a scratch"
-    echo "copy of that script with the baseline's path written in); pass_new_blockNM is 5362902's pass with"
-    echo "DEVICE_BLOCK_BYTES at N MiB, each with its wait per block. Printed by"
+    echo "A later call, on another instance of the machine, measured telemetry.py of be9c43d with the command of"
+    echo "h100_baseline.json: bench/gpu/h100_be9c43d_second_call.json. Printed by"
+    echo "\`$PY bench/gpu_cost.py --from-json bench/gpu/h100_be9c43d_second_call.json\`:"
+    echo
+    $PY bench/gpu_cost.py --from-json bench/gpu/h100_be9c43d_second_call.json
+    echo
+    echo "The weight pass and the reference's write on GPT-2's weights (ms, medians of 5), in the call of"
+    echo "bench/gpu/h100.json, old being telemetry.py of be9c43d and new that of 1c98077; collection_X is the pass with"
+    echo "the write beside it, as a collection runs them. Printed by"
     echo "\`$PY bench/gpu_pass.py --from-json bench/gpu/h100_pass.json\`:"
     echo
     $PY bench/gpu_pass.py --from-json bench/gpu/h100_pass.json
