@@ -1016,6 +1016,8 @@ def stable_ranks(gb: torch.Tensor, ga: torch.Tensor) -> torch.Tensor:
     fan_out x r and fan_in x r factors give the same to rounding but cost milliseconds per adapter shape on a
     GPU, and in float64 the Grams lose nothing that matters to the largest eigenvalue.
     """
+    if gb.device.type not in ("cpu", "cuda"):  # not every backend has eigh (mps lacked it): r x r on the CPU
+        return stable_ranks(gb.cpu().double(), ga.cpu().double()).to(gb.device, gb.dtype)
     finite = gb.isfinite().all(-1).all(-1) & ga.isfinite().all(-1).all(-1)
     gb, ga = (torch.where(finite[:, None, None], g, 0.0) for g in (gb, ga))  # eigh refuses non-finite input
     values, vectors = torch.linalg.eigh(ga)
