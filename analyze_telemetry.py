@@ -2247,9 +2247,43 @@ def _regression_at_chance(h: Holdout):
             f"better than the {_fmt(var)} of always predicting the targets' mean (R^2 {1 - mse / var:.2f})"), [a, b], False
 
 
+FREQUENCIES_LEFT = 1.1   # a language model's first holdout loss this far above its tokens' entropy: it had them to learn
+
+
+def _language_model_at_chance(run: Run, h: Holdout):
+    """A language model's holdout loss over the last quarter of the evaluations no lower than the entropy of the
+    holdout's own token frequencies (run.json's token_entropy, which telemetry measures at set_holdout_data):
+    the least that any model ignoring the context can score on those tokens. Only after a first loss
+    FREQUENCIES_LEFT times that level or more, and with the train loss no longer falling: on its way down every
+    language model passes the level of the frequencies."""
+    entropy, tokens = (_get(run.meta, ["holdout", key]) for key in ("token_entropy", "scored_tokens"))
+    late, losses = _late(h, h.loss), _finite(h.loss)
+    if late is None or not _has_type(entropy, (int, float)) or not _has_type(tokens, int) or tokens < 200 \
+            or not entropy > 0 or losses[0] < FREQUENCIES_LEFT * entropy:
+        return None
+    loss, a, b = late
+    if loss < entropy or _train_improved(run, a)[0]:
+        return None
+    return (f"the holdout loss is {_fmt(loss)} nats a token over the last quarter of the run (steps {a}-{b}), no "
+            f"lower than the {_fmt(entropy)} of predicting each of its {tokens} scored tokens by how often it occurs "
+            "there: from a first loss of " + _fmt(float(losses[0])) + ", the model learned which tokens are common "
+            "and nothing from the context before them"), [a, b], False
+
+
 def check_holdout_at_chance(run: Run) -> list:
     h = holdout_data(run)
-    if not h or not (h.kind == "regression" or h.kind == "classification" and h.num_classes):
+    if not h:
+        return []
+    if h.kind == "lm":
+        found = _language_model_at_chance(run, h)
+        return [] if found is None else [Finding(
+            "holdout_at_chance", "critical", found[0] + ".", _steps_list(found[1]),
+            hint="The context does not reach the model, or tells it nothing: check the tensor it is called on "
+                 "(the input_ids, not the attention mask or the labels), an attention mask that hides every "
+                 "position, and that the training text keeps its order (shuffle windows or documents, not "
+                 "tokens). A run stopped early can sit at this level before it learns the context: train longer "
+                 "to be sure.")]
+    if not (h.kind == "regression" or h.kind == "classification" and h.num_classes):
         return []
     found = _regression_at_chance(h) if h.kind == "regression" else _classification_at_chance(h)
     if found is None:
@@ -3176,7 +3210,8 @@ FINDINGS = {
                             "ones'"),
     "frozen_group": (("warning", "critical"), "both", "a group stands still while others move, for a reason "
                      "the records do not name"),
-    "holdout_at_chance": (("critical",), "analyzer", "the holdout's accuracy or loss stays at chance"),
+    "holdout_at_chance": (("critical",), "analyzer", "the holdout's accuracy or loss stays at chance (a language "
+                          "model's: no better than its tokens' frequencies)"),
     "loss_stalled": (("warning",), "analyzer", "the training loss stopped falling well above where it "
                      "could be"),
     "overfitting": (("warning",), "analyzer", "the holdout loss rises from its best while the training loss "

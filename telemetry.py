@@ -4648,6 +4648,26 @@ class _Holdout:
         mean, rms = float(total[0]) / n, math.sqrt(max(float(total[1]), 0.0) / n)
         return {"input_mean": mean, "input_rms": rms} if math.isfinite(mean) and math.isfinite(rms) else {}
 
+    def token_entropy(self) -> Dict[str, Any]:
+        """For a holdout of per-position labels (a language model's tokens), the entropy in nats of its scored
+        tokens' own frequencies, for run.json: the least loss a model that ignores the context can score on it.
+        Empty for other holdouts."""
+        try:
+            targets = []
+            for batch in self.batches:
+                got = holdout_labels(batch, self.config.batch_label_key, self.labels)[0]
+                if self.regression or got.is_floating_point() or got.dim() < 2 or got.shape[1] < 2:
+                    return {}
+                got = got.detach().reshape(got.shape[0], got.shape[1], -1)
+                got = got[:, 1:] if self.shift else got  # scored as language_model_holdout scores them
+                targets.append(got[got != IGNORE_INDEX].cpu())
+            _, counts = torch.cat(targets).unique(return_counts=True)
+        except Exception:  # what telemetry only describes never stops set_holdout_data
+            return {}
+        n = int(counts.sum())
+        shares = counts.double() / max(n, 1)
+        return {"token_entropy": float(-(shares * shares.log()).sum()), "scored_tokens": n} if n else {}
+
     def sizes(self) -> List[int]:
         return [batch_size_of(b) for b in self.batches]
 
@@ -4971,7 +4991,8 @@ class TrainingTelemetry:
         """
         examples = self._holdout.set(batches, forward, labels, output)
         if self._active():
-            self._files.update_info(holdout={"examples": examples, **self._holdout.input_scale()})
+            self._files.update_info(holdout={"examples": examples, **self._holdout.input_scale(),
+                                             **self._holdout.token_entropy()})
 
     def on_batch_end(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                      batch_idx: int, epoch: int, device: Any = None, batch: Any = None, loss: Any = None,

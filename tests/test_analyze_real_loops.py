@@ -1230,6 +1230,72 @@ def test_a_language_model_trained_on_unshifted_labels_is_named_not_called_overfi
             assert "labels_not_shifted" not in found, found
 
 
+def test_a_language_model_that_learns_only_the_token_frequencies_reads_at_chance(tmp_path):
+    """A character-level GRU on Python's own source, trained on a stream shuffled character by character (the
+    loader shuffles tokens where it meant to shuffle windows): no window has any order left, so the model can
+    learn only how often each character occurs, and on fresh text it does no better than a frequency count.
+    The analyzer had no chance level for a language model and said nothing. Telemetry now records the entropy
+    of the holdout's scored tokens (checked against numpy), and holdout_at_chance leads. The same loop on the
+    text in order beats the frequencies on fresh text and is not told so."""
+    import difflib
+    import inspect
+    import textwrap
+
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    def ids(module):
+        return torch.tensor(list(Path(module.__file__).read_bytes()))
+
+    def windows(t, n, length=64):
+        return t[:n * length].reshape(n, length)
+
+    text, holdout, fresh = ids(inspect), windows(ids(textwrap), 40), windows(ids(difflib), 300)
+    counts = np.bincount(text.numpy(), minlength=256) + 1.0  # the frequency count, add-one: the chance model
+    counted = float(-np.log(counts / counts.sum())[fresh[:, 1:].numpy()].mean())
+    _, held = np.unique(holdout[:, 1:].numpy(), return_counts=True)
+    entropy = float(-(held / held.sum() * np.log(held / held.sum())).sum())
+
+    class CharGRU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.rnn = nn.Embedding(256, 32), nn.GRU(32, 64, batch_first=True)
+            self.head = nn.Linear(64, 256)
+
+        def forward(self, input_ids):
+            return self.head(self.rnn(self.embed(input_ids))[0])
+
+    for name in ("shuffled", "in_order"):
+        torch.manual_seed(0)
+        train = text[torch.randperm(len(text))] if name == "shuffled" else text
+        model = CharGRU()
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=5))
+        tel.set_holdout_data({"input_ids": holdout, "labels": holdout})
+        gen = torch.Generator().manual_seed(0)
+        for step in range(1, 151):
+            starts = torch.randint(0, len(train) - 64, (16,), generator=gen)
+            batch = torch.stack([train[s:s + 64] for s in starts.tolist()])
+            loss = F.cross_entropy(model(batch)[:, :-1].reshape(-1, 256), batch[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, step, 0, batch={"input_ids": batch, "labels": batch}, loss=loss)
+        tel.close()
+        model.eval()
+        with torch.no_grad():
+            nll = F.cross_entropy(model(fresh)[:, :-1].reshape(-1, 256), fresh[:, 1:].reshape(-1)).item()
+        run, found = codes(tmp_path / name)
+        assert run.meta["holdout"]["token_entropy"] == pytest.approx(entropy, rel=1e-9)
+        assert run.meta["holdout"]["scored_tokens"] == held.sum()
+        top = [f.code for f in at.diagnose(run)]
+        if name == "shuffled":
+            assert nll > 0.98 * counted, (nll, counted)
+            assert top[0] == "holdout_at_chance", top
+        else:
+            assert nll < 0.85 * counted, (nll, counted)
+            assert "holdout_at_chance" not in found, found
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set

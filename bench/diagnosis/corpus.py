@@ -61,6 +61,8 @@ PROBLEMS: Dict[str, tuple] = {
     "lora_lr_zero": ({"lora_not_learning", "lr_zero"}, {"lora_not_learning"}),
     "not_in_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
     "labels_not_shifted": ({"labels_not_shifted"}, {"labels_not_shifted"}),
+    # a text shuffled token by token: only the tokens' frequencies are left to learn
+    "shuffled_tokens": ({"holdout_at_chance"}, {"holdout_at_chance"}),
     "eval_mode": ({"eval_mode"}, {"eval_mode"}),
     "negative_loss": ({"negative_loss"}, {"negative_loss"}),
     "holdout_off_scale": ({"holdout_off_scale"}, {"holdout_off_scale"}),
@@ -170,6 +172,7 @@ SPECS: List[Spec] = [
     S("repeated_batch", "mlp-digits-adamw",             "classifier", **digits(opt="adamw", lr=1e-3)),
     S("repeated_batch", "gru-charlm-adamw-dict",        "char_lm",    lr=5e-3, batch=16, steps=100),
     S("labels_not_shifted", "gru-charlm-adamw-dict",    "char_lm",    lr=5e-3, batch=16, steps=150),
+    S("shuffled_tokens", "gru-charlm-adamw-dict",       "char_lm",    lr=5e-3, batch=16, steps=150),
     S("unshuffled", "mlp-digits-sorted-by-class",       "classifier", **digits(opt="sgd", lr=0.05)),
     S("probability_outputs", "mlp-digits-softmax-ce",   "classifier", **digits(opt="adamw", lr=1e-3,
                                                                                 final="softmax")),

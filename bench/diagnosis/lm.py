@@ -63,6 +63,14 @@ def bigram_nll(train: torch.Tensor, test: torch.Tensor, alpha: float = 0.1) -> f
     return float(-logp[test[:-1], test[1:]].mean())
 
 
+def unigram_nll(train: torch.Tensor, test: torch.Tensor, alpha: float = 0.1) -> float:
+    """Test NLL (nats/char) of each character's smoothed frequency in the train text: what a model that ignores
+    the context can reach."""
+    counts = torch.full((VOCAB,), alpha, dtype=torch.float64).index_add_(0, train, torch.ones(len(train),
+                                                                                               dtype=torch.float64))
+    return float(-(counts / counts.sum()).log()[test[1:]].mean())
+
+
 def test_nll(model: nn.Module, windows: torch.Tensor) -> float:
     model.eval()
     with torch.no_grad():
@@ -98,6 +106,8 @@ def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, An
     telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every, holdout_size=50))
     telemetry.set_holdout_data({"input_ids": holdout, "labels": holdout})
     plant = spec.get("plant")
+    if plant == "shuffled_tokens":  # the loader bug: the text shuffled character by character, not by window
+        train_ids = train_ids[torch.from_numpy(rng.permutation(len(train_ids)))]
     starts = rng.randint(0, len(train_ids) - SEQ, size=(steps, bs))
     if plant == "repeated_batch":
         starts[:] = starts[0]  # the loader bug: the same batch every step
@@ -125,6 +135,11 @@ def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, An
                           f"top prediction = the input character at the same position for {copied:.1%} of the test "
                           f"positions (needs >= 90%); next-character test NLL {final:.3f} vs a bigram model's "
                           f"{bigram:.3f} (needs more)")
+    elif plant == "shuffled_tokens":
+        counted = unigram_nll(train_ids, test_all)
+        verdict = Verdict(final >= 0.98 * counted, f"test NLL {final:.3f}",
+                          f"test NLL {final:.3f} nats/char vs {counted:.3f} for the characters' frequencies in the "
+                          "train text (needs >= 0.98x: no better than ignoring the context)")
     elif plant == "repeated_batch":
         verdict = Verdict(len(keys) == 1, f"{len(keys)} distinct batch",
                           f"{len(keys)} distinct batch(es) over {steps} steps (needs 1); test NLL {final:.3f}")
