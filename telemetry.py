@@ -4649,17 +4649,16 @@ class _Holdout:
         return {"input_mean": mean, "input_rms": rms} if math.isfinite(mean) and math.isfinite(rms) else {}
 
     def token_entropy(self) -> Dict[str, Any]:
-        """For a holdout of per-position labels (a language model's tokens), the entropy in nats of its scored
-        tokens' own frequencies, for run.json: the least loss a model that ignores the context can score on it.
-        Empty for other holdouts."""
+        """For a holdout of token sequences (a language model's, [examples, positions]), the entropy in nats of
+        its scored tokens' own frequencies, for run.json: the least loss a model that ignores the context can
+        score on it. Empty for other holdouts (a segmentation's pixels too)."""
         try:
             targets = []
             for batch in self.batches:
                 got = holdout_labels(batch, self.config.batch_label_key, self.labels)[0]
-                if self.regression or got.is_floating_point() or got.dim() < 2 or got.shape[1] < 2:
+                if self.regression or got.is_floating_point() or got.dim() != 2 or got.shape[1] < 2:
                     return {}
-                got = got.detach().reshape(got.shape[0], got.shape[1], -1)
-                got = got[:, 1:] if self.shift else got  # scored as language_model_holdout scores them
+                got = got.detach()[:, 1:] if self.shift else got.detach()  # as language_model_holdout scores them
                 targets.append(got[got != IGNORE_INDEX].cpu())
             _, counts = torch.cat(targets).unique(return_counts=True)
         except Exception:  # what telemetry only describes never stops set_holdout_data

@@ -177,3 +177,5 @@ def test_a_segmentations_pixels_are_scored_as_positions(tmp_path, masks):
     assert section["accuracy"] == pytest.approx((predicted == target).double().mean().item(), rel=1e-6)
     assert section["loss"] == pytest.approx(loss_of(logits, target).item(), rel=1e-4)
     assert section["tokens"] == [64] * 50  # the pixels of each image
+    with open(tmp_path / "run.json") as f:  # a token sequence's chance level is no segmentation's
+        assert "token_entropy" not in json.load(f)["holdout"]
