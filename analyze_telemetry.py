@@ -2668,6 +2668,35 @@ def _input_rms(run: Run):
     return (float(np.median(rms)), len(rms)) if len(rms) >= 3 else None
 
 
+HOLDOUT_SHARE = 0.02   # this share of the looked-up training examples being holdout ones, and the holdout overlaps
+
+
+def check_holdout_in_training(run: Run) -> list:
+    """Training examples that are holdout examples: telemetry looks the first few examples of each collected
+    batch up among the holdout's (batch_stats.holdout_matches of holdout_checked: equal sums of their inputs,
+    plain and randomly weighted). HOLDOUT_SHARE of them or more, and at least 5: the holdout was drawn from the
+    training data (or the training data holds it), so its accuracy and loss are those of examples the model
+    trains on. A dataset's own duplicates, split apart at random, come to far less."""
+    found, checked = (_finite(column(run, f"batch_stats.{key}")) for key in ("holdout_matches", "holdout_checked"))
+    if len(found) != len(checked) or not len(checked):
+        return []
+    matched, looked = int(found.sum()), int(checked.sum())
+    if matched < 5 or matched < HOLDOUT_SHARE * looked:
+        return []
+    examples = _get(run.meta, ["holdout", "examples"])
+    return [Finding(
+        "holdout_in_training", "warning",
+        f"the holdout overlaps the training data: {matched} of the {looked} training examples looked up at the "
+        f"{len(checked)} collections (the first {_fmt(float(np.median(checked)))} of each batch) have the inputs "
+        f"of a holdout example ({matched / looked:.0%})"
+        + (f", a holdout of {examples}" if _has_type(examples, int) else "") + ". Its accuracy and loss are "
+        "measured on examples the model trains on: they overstate how it does on new ones, and overfitting "
+        "cannot show on them.", _steps_list(steps(run)[:1]),
+        hint="Split the holdout off before training and train only on the rest (one random_split or "
+             "train_test_split of the indices); look for a holdout taken as train[:n], or a training set "
+             "concatenated with its own test split.")]
+
+
 HOLDOUT_OFF_SCALE = 4.0   # the holdout's inputs this many times larger or smaller than the training batches'
 
 
@@ -3114,7 +3143,7 @@ CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_grad
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
           check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode, check_negative_loss,
           check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_weights_collapsed,
-          check_not_learning, check_holdout_off_scale, check_repeated_batches, check_unshuffled_batches,
+          check_not_learning, check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
           check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
           check_dead_units, check_saturated_units, check_vanishing_gradients, check_loss_stalled,
@@ -3135,7 +3164,8 @@ STAGES = (
      "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
      "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
      "gradients_clipped", "weights_collapsed", "not_learning"),
-    ("holdout_off_scale", "repeated_batches", "unshuffled_batches", "padding_supervised", "class_imbalance"),
+    ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
+     "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
     ("dead_units", "saturated_units", "vanishing_gradients", "frozen_group"),
@@ -3184,6 +3214,8 @@ FINDINGS = {
                             "sigmoid before a loss that applies its own"),
     "holdout_off_scale": (("warning",), "analyzer", "the holdout's inputs are on another scale than the training "
                           "batches' (4x or more), and it reads at chance: it skipped their preprocessing"),
+    "holdout_in_training": (("warning",), "analyzer", "training examples are holdout examples (2% or more of "
+                            "those looked up): the holdout was drawn from the training data"),
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),

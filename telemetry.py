@@ -16,6 +16,7 @@ unsloth, wandb and lightning are imported lazily, where they are used.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import collections.abc
 import contextlib
@@ -87,7 +88,8 @@ WHOLE_PASS_BYTES = 16 << 20  # up to this many trainable bytes the pass takes wh
 # flight at once, in pinned host memory and on the device.
 DEVICE_BLOCK_BYTES = 32 << 20
 # A tensor smaller than this costs more per op or write than its bytes: on the CPU, tensors of one shape are
-# stacked to be measured together, and runs of them (on any device) are written to a file as one block.
+# stacked to be measured together, and runs of them are written to a file as one block (from a device, runs
+# of any tensors up to DEVICE_BLOCK_BYTES are).
 SMALL_TENSOR_BYTES = 64 << 10
 MIN_STACKED = 16  # fewer such tensors cost less one by one than copied together (measured)
 FUSED_MIN_ELEMENTS = 1 << 14  # the compiled kernel is specialised to chunks at least this long
@@ -863,7 +865,8 @@ _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "refere
                     "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
                     "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
                     "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
-                    "batch_stats/input_elements", "grads_never_zeroed", "eval_mode")
+                    "batch_stats/input_elements", "batch_stats/holdout_matches", "batch_stats/holdout_checked",
+                    "grads_never_zeroed", "eval_mode")
 
 
 def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry", classes: Any = ()) -> Dict[str, float]:
@@ -4341,9 +4344,11 @@ def eval_mode_modules(model: torch.nn.Module) -> Optional[Dict[str, int]]:
     return counts if any(counts.values()) else None
 
 
-def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
+def batch_stats(batch: Any, label_key: Optional[str], holdout: Optional["_Holdout"] = None) -> Dict[str, Any]:
     """The batch_stats section: label balance, or token counts for a language-model batch, and a fingerprint
-    of the inputs (a loader that hands out the same batch again gives the same one)."""
+    of the inputs (a loader that hands out the same batch again gives the same one); with a holdout and
+    floating-point inputs, the sums that tell which of the batch's first examples are holdout examples
+    (see _Holdout.overlap_sums)."""
     batch = plain_batch(batch)
     key = find_label_key(batch, label_key) if isinstance(batch, dict) else None
     per_example = key is not None and isinstance(batch[key], torch.Tensor) and batch[key].dim() <= 1
@@ -4365,6 +4370,11 @@ def batch_stats(batch: Any, label_key: Optional[str]) -> Dict[str, Any]:
         stats["fingerprint"] = batch_fingerprint(inputs)
         if inputs.is_floating_point():  # with sum x^2, the inputs' scale (token ids have none)
             stats["input_elements"] = inputs.numel()
+        # Token sequences are left out: a language model's data repeats whole prompts by construction (templates,
+        # small synthetic tasks), and a holdout taken from its text shows in windows at other offsets.
+        sums = holdout.overlap_sums(inputs) if holdout is not None and inputs.is_floating_point() else None
+        if sums is not None:  # looked up once the record is on the host (see _Holdout.overlap)
+            stats["holdout_sums"] = sums
     return stats
 
 
@@ -4584,6 +4594,13 @@ class _ActivationWatch:
         return out or None
 
 
+# The first this many examples of each collected training batch are looked up among the holdout's: enough to
+# find a holdout that is a few percent of the training data within a few dozen collections, at the cost of a
+# few examples' sums. Two sums of an example's inputs equal to this relative tolerance make it one of them.
+OVERLAP_ROWS = 8
+OVERLAP_TOLERANCE = 1e-9
+
+
 class _Holdout:
     """The fixed holdout set: up to holdout_size examples, how to run the model on them, where its
     predictions and labels are, whether it is regression, and the batches already moved to each device."""
@@ -4592,6 +4609,8 @@ class _Holdout:
         self.config = config
         self.batches: List[Any] = []
         self.on_device: Dict[str, List[Any]] = {}
+        self.signatures: Dict[tuple, Optional[tuple]] = {}  # per (input size, device): see overlap_sums
+        self.looked_up: Optional[tuple] = None  # the key of the last overlap_sums
         self.forward: Optional[Callable] = None
         self.labels: Optional[Callable] = None
         self.output: Any = None
@@ -4626,7 +4645,7 @@ class _Holdout:
                 raise ValueError("set_holdout_data: (inputs..., labels) batches run model(*inputs), and these "
                                  "inputs are not all tensors; pass forward=lambda model, batch: ...")
             found.append(got)
-        self.batches, self.on_device, self.probabilities = batches, {}, None
+        self.batches, self.on_device, self.probabilities, self.signatures = batches, {}, None, {}
         self.forward, self.labels, self.output = forward, labels, output
         self.regression = any(is_regression_target(t) for t in found)
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
@@ -4666,6 +4685,48 @@ class _Holdout:
         n = int(counts.sum())
         shares = counts.double() / max(n, 1)
         return {"token_entropy": float(-(shares * shares.log()).sum()), "scored_tokens": n} if n else {}
+
+    def overlap_sums(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
+        """Two sums of each of a training batch's first OVERLAP_ROWS examples' inputs, [rows, 2] in float64 on
+        their device: plain, and with fixed random weights. They ride the record's one transfer, and overlap()
+        looks them up among the holdout's on the host (a lookup on the device would cost more ops than the
+        sums). None without a holdout, or where the holdout's examples are not of the batch's size."""
+        rows = inputs.detach()[:OVERLAP_ROWS]
+        if not self.batches or not rows.dim() or not rows.shape[0]:
+            return None
+        rows = rows.reshape(rows.shape[0], -1)
+        key = (rows.shape[1], rows.device)
+        if key not in self.signatures:
+            self.signatures[key] = self._signatures(*key)
+        held, self.looked_up = self.signatures[key], key
+        return None if held is None else rows.double() @ held[0]
+
+    def overlap(self, sums: List[List[float]]) -> tuple:
+        """(how many of the rows of overlap_sums, as numbers, are a holdout example's sums, to OVERLAP_TOLERANCE
+        in both; how many rows): a holdout drawn from the training data shows as training examples that are
+        holdout ones."""
+        held, found = self.signatures[self.looked_up], 0
+        for row in sums:
+            at = bisect.bisect_left(held[2], row[1])
+            found += any(all(abs(h - r) <= OVERLAP_TOLERANCE * (abs(h) + abs(r)) for h, r in zip(held[1][k], row))
+                         for k in (at - 1, at) if 0 <= k < len(held[1]))
+        return found, len(sums)
+
+    def _signatures(self, size: int, device: torch.device) -> Optional[tuple]:
+        """(weights [size, 2] on `device`, the holdout examples' two sums as [[plain, weighted], ...] sorted by
+        the weighted one, those weighted sums) for inputs of `size` elements an example; None if the holdout's
+        examples are of another size."""
+        try:
+            rows = [x.detach().reshape(x.shape[0], -1) for x in map(batch_inputs, self.batches)
+                    if x is not None and x.dim()]
+        except RuntimeError:
+            return None
+        if not rows or any(r.shape[1] != size for r in rows):
+            return None
+        drawn = torch.randn(size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # no RNG state used
+        weights = torch.stack([torch.ones_like(drawn), drawn], 1)
+        sums = sorted(torch.cat([r.double() @ weights for r in rows]).tolist(), key=lambda pair: pair[1])
+        return weights.to(device), sums, [pair[1] for pair in sums]
 
     def sizes(self) -> List[int]:
         return [batch_size_of(b) for b in self.batches]
@@ -5208,7 +5269,7 @@ class TrainingTelemetry:
             if self._holdout.activations:
                 c.record["activations"] = self._holdout.activations
         if cfg.track_batch_stats and isinstance(batch, (torch.Tensor, collections.abc.Mapping, list, tuple)):
-            c.add("batch_stats", batch_stats, batch, cfg.batch_label_key)
+            c.add("batch_stats", batch_stats, batch, cfg.batch_label_key, self._holdout)
         elif cfg.track_batch_stats and batch is not None:
             self._warn("batch-type", f"telemetry: batch= is a {type(batch).__name__}, which batch_stats cannot read "
                                      "(it reads a tensor, a tuple or list, or a dict); pass batch=(inputs, labels) "
@@ -5225,6 +5286,9 @@ class TrainingTelemetry:
         if c.strict_error is not None:  # strict, in lockstep: raised once every rank is past the collectives
             raise c.strict_error
         c.record, nonfinite = host_record(c.record)
+        stats = c.record.get("batch_stats")
+        if isinstance(stats, dict) and "holdout_sums" in stats:
+            stats["holdout_matches"], stats["holdout_checked"] = self._holdout.overlap(stats.pop("holdout_sums"))
         _warn_about_gradients(c.record, self._warn)
         _null_ratios_of_zero_weights(c.record)
         if c.layout is not None and nonfinite:  # rare: one more pass names the culprits

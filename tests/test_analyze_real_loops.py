@@ -1285,6 +1285,7 @@ def test_a_language_model_that_learns_only_the_token_frequencies_reads_at_chance
         with torch.no_grad():
             nll = F.cross_entropy(model(fresh)[:, :-1].reshape(-1, 256), fresh[:, 1:].reshape(-1)).item()
         run, found = codes(tmp_path / name)
+        assert "holdout_matches" not in run.records[-1]["batch_stats"]  # token ids are not looked up
         assert run.meta["holdout"]["token_entropy"] == pytest.approx(entropy, rel=1e-9)
         assert run.meta["holdout"]["scored_tokens"] == held.sum()
         top = [f.code for f in at.diagnose(run)]
@@ -1294,6 +1295,38 @@ def test_a_language_model_that_learns_only_the_token_frequencies_reads_at_chance
         else:
             assert nll < 0.85 * counted, (nll, counted)
             assert "holdout_at_chance" not in found, found
+
+
+def test_a_holdout_drawn_from_the_training_data_is_named(tmp_path):
+    """The digits MLP trained on 1,000 examples with a holdout taken as train[:50] (the split forgotten): its
+    holdout accuracy is a training accuracy and a fresh test set scores lower. The analyzer said nothing. Each
+    collection now looks the batch's first 8 examples up among the holdout's; the counts recorded equal
+    those the test knows from the indices it drew, and holdout_in_training is named. The same loop with the
+    holdout split off (examples 1,000-1,049) looks up as many and finds none."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y)
+    for name, holdout in (("leaked", slice(0, 50)), ("split", slice(1000, 1050))):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        truth = []
+
+        def seen(record, batch, loss):
+            first = batch[0][:8]  # which of the looked-up examples are the holdout's, by value
+            held = x[holdout]
+            truth.append((int(sum(bool((held == row).all(1).any()) for row in first)),
+                          record["batch_stats"]["holdout_matches"], record["batch_stats"]["holdout_checked"]))
+        sampled_run(tmp_path / name, model, x[:1000], y[:1000], (x[holdout], y[holdout]), 400, 32, seen=seen)
+        assert all(known == found and checked == 8 for known, found, checked in truth), truth
+        run, found = codes(tmp_path / name)
+        matched = sum(t[0] for t in truth)
+        if name == "leaked":
+            assert matched >= 5, truth
+            assert "holdout_in_training" in found and f"{matched} of the {8 * len(truth)}" in found[
+                "holdout_in_training"].message
+        else:
+            assert matched == 0 and "holdout_in_training" not in found, found
 
 
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):

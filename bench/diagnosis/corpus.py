@@ -66,6 +66,7 @@ PROBLEMS: Dict[str, tuple] = {
     "eval_mode": ({"eval_mode"}, {"eval_mode"}),
     "negative_loss": ({"negative_loss"}, {"negative_loss"}),
     "holdout_off_scale": ({"holdout_off_scale"}, {"holdout_off_scale"}),
+    "holdout_leak": ({"holdout_in_training"}, {"holdout_in_training"}),
     "constant_inputs": ({"constant_inputs"}, {"constant_inputs"}),
     "over_clipped": ({"gradients_clipped"}, {"gradients_clipped"}),
     # weight_decay added to every gradient, far above the usual: the weights collapse toward 0
@@ -192,6 +193,8 @@ SPECS: List[Spec] = [
                                                                                    format="dict")),
     S("holdout_off_scale", "mlp-breast-cancer-raw-holdout-adam-dict", "classifier", **cancer(opt="adam", lr=1e-3)),
     S("holdout_off_scale", "mlp-diabetes-raw-holdout-adam", "classifier", **diabetes(opt="adam", lr=1e-3)),
+    S("holdout_leak", "mlp-digits-adamw-holdout-from-train", "classifier", **digits(opt="adamw", lr=1e-3)),
+    S("holdout_leak", "mlp-breast-cancer-adam-holdout-from-train-dict", "classifier", **cancer(opt="adam", lr=1e-3)),
     S("constant_inputs", "mlp-digits-adam-floor-div-255", "classifier", **digits(opt="adam", lr=1e-3)),
     S("constant_inputs", "cnn-digits-sgd-floor-div-255-dict", "classifier", **digits(arch="cnn", opt="sgd", lr=0.01,
                                                                                      format="dict")),

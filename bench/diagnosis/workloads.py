@@ -320,10 +320,12 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
     telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every,
                                                   holdout_size=len(data.y["holdout"]), batch_label_key=label_key
                                                   if fmt == "dict" else None))
-    held = data.x["holdout"]
+    held, held_y = data.x["holdout"], data.y["holdout"]
     if plant == "holdout_off_scale":  # the pipeline's bug: the holdout skips the standardisation (raw features)
         held = load_split(spec["data"], seed, raw=True).x["holdout"]
-    telemetry.set_holdout_data(_as_batch(held, data.y["holdout"], fmt, label_key))
+    if plant == "holdout_leak":  # the bug: the holdout taken from the training examples, the split forgotten
+        held, held_y = x_train[:len(held_y)], y_train[:len(held_y)]
+    telemetry.set_holdout_data(_as_batch(held, held_y, fmt, label_key))
 
     loss_fn = (lambda out, y: F.mse_loss(out.reshape(-1), y)) if regression else _classification_loss
     if plant == "negative_loss":  # the bug: NLLLoss on raw outputs, which expects log-probabilities
@@ -598,6 +600,11 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"holdout x{ratio:.3g}, {healthy.value}",
                        f"the holdout's inputs' root mean square {ratio:.3g}x the train inputs' (needs >= 4x or <= "
                        f"0.25x); on the standardised test set: {healthy.detail}")
+    if plant == "holdout_leak":  # every holdout example is a training example, input for input
+        inside = sum(bool((ctx["x_train"] == row).all(1).any()) for row in ctx["held"])
+        return Verdict(inside == len(ctx["held"]), f"{inside}/{len(ctx['held'])} in train",
+                       f"{inside} of the {len(ctx['held'])} holdout examples equal a training example "
+                       "(needs all)")
     if plant == "constant_inputs":  # every train input one value, and the model at chance on the test set
         x = ctx["x_train"].double()
         spread = float(x.max() - x.min())
