@@ -2459,8 +2459,9 @@ def _rng_state() -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
+    numpy = sys.modules.get("numpy")  # None where a program blocked its import
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
     return state
 
 

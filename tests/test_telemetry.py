@@ -670,6 +670,15 @@ def test_holdout_restores_modes_and_rng(tmp_path):
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_a_holdout_is_scored_where_the_program_blocked_numpy(tmp_path, monkeypatch):
+    # sys.modules["numpy"] = None is how a program keeps numpy from importing: there is no NumPy state to keep.
+    model, optimizer, tel = make_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    tel.set_holdout_data([(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))])
+    loss, batch = train_step(model, optimizer)
+    assert tel.on_batch_end(model, optimizer, 1, 0, batch=batch)["holdout_logits"]["accuracy"] is not None
+
+
 def _seeded_run(out_dir, telemetry_on):
     sys.path.insert(0, ROOT)
     import example_train
