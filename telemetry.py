@@ -4691,9 +4691,10 @@ class _Holdout:
         """Two sums of each of a training batch's first OVERLAP_ROWS examples' inputs, [rows, 2] in float64 on
         their device: plain, and with fixed random weights. They ride the record's one transfer, and overlap()
         looks them up among the holdout's on the host (a lookup on the device would cost more ops than the
-        sums). None without a holdout, or where the holdout's examples are not of the batch's size."""
+        sums). None without a holdout, where the holdout's examples are not of the batch's size, or on a device
+        without float64 (mps), whose float32 sums could not tell a match from rounding."""
         rows = inputs.detach()[:OVERLAP_ROWS]
-        if not self.batches or not rows.dim() or not rows.shape[0]:
+        if not self.batches or not rows.dim() or not rows.shape[0] or _wide(rows.device) != torch.float64:
             return None
         rows = rows.reshape(rows.shape[0], -1)
         key = (rows.shape[1], rows.device)
