@@ -4398,10 +4398,10 @@ def per_token_labels(inputs: Any, labels: torch.Tensor) -> bool:
 def batch_fingerprint(inputs: torch.Tensor) -> List[torch.Tensor]:
     """[sum x, sum x^2] of a batch's first tensor: equal for the same batch, all but never for two different
     ones. float32 and float64 inputs are summed as they are (a float64 copy of an image batch cost more than
-    the rest of the section); integers (token ids) and half precision in float64, exactly for integers. On
-    the device: it rides the record's one transfer."""
+    the rest of the section); integers (token ids) and half precision in float64, exactly for integers
+    (float32 on mps, which has no float64). On the device: it rides the record's one transfer."""
     x = inputs.detach()
-    x = (x if x.dtype in (torch.float32, torch.float64) else x.double()).reshape(-1)
+    x = (x if x.dtype in (torch.float32, torch.float64) else x.to(_wide(x.device))).reshape(-1)
     return [x.sum(), torch.dot(x, x)]
 
 
