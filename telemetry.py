@@ -4727,7 +4727,9 @@ class _Holdout:
             return None
         drawn = torch.randn(size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # no RNG state used
         weights = torch.stack([torch.ones_like(drawn), drawn], 1)
-        sums = sorted(torch.cat([r.double() @ weights for r in rows]).tolist(), key=lambda pair: pair[1])
+        # A few examples at a time: a float64 copy of a whole holdout of images would double its memory.
+        sums = sorted(torch.cat([part.double() @ weights for r in rows for part in r.split(OVERLAP_ROWS)]).tolist(),
+                      key=lambda pair: pair[1])
         return weights.to(device), sums, [pair[1] for pair in sums]
 
     def sizes(self) -> List[int]:
