@@ -1158,6 +1158,55 @@ def test_weight_decay_that_collapses_the_weights_is_named_before_the_chance_leve
             assert "weights_collapsed" not in found, (name, found)
 
 
+def source_ids(module):
+    """The bytes of a standard-library module's source, as character ids."""
+    return torch.tensor(list(Path(module.__file__).read_bytes()))
+
+
+def text_windows(t, n, length=64):
+    return t[:n * length].reshape(n, length)
+
+
+class CharGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(256, 32), nn.GRU(32, 64, batch_first=True)
+        self.head = nn.Linear(64, 256)
+
+    def forward(self, input_ids):
+        return self.head(self.rnn(self.embed(input_ids))[0])
+
+
+def char_gru_run(out, train, holdout, shifted=True):
+    """A CharGRU trained 150 steps with AdamW (lr 5e-3) on 16 windows of 64 characters drawn from `train`
+    (seed 0), collecting every 5 steps with `holdout` given; its loss scores position t against the character
+    at t + 1, or with shifted=False against the one at t. Returns (the model, the last record)."""
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    torch.manual_seed(0)
+    model = CharGRU()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=5))
+    tel.set_holdout_data({"input_ids": holdout, "labels": holdout})
+    gen, record = torch.Generator().manual_seed(0), None
+    for step in range(1, 151):
+        starts = torch.randint(0, len(train) - 64, (16,), generator=gen)
+        batch = torch.stack([train[s:s + 64] for s in starts.tolist()])
+        logits = model(batch)
+        if shifted:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 256), batch[:, 1:].reshape(-1))
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, 256), batch.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        record = tel.on_batch_end(model, opt, step, 0, batch={"input_ids": batch, "labels": batch},
+                                  loss=loss) or record
+    tel.close()
+    model.eval()
+    return model, record
+
+
 def test_a_language_model_trained_on_unshifted_labels_is_named_not_called_overfitting(tmp_path):
     """A character-level GRU on Python's own source, its loss scoring logits[:, t] against the token at t (the
     labels never shifted): it learns to copy its input, its train loss falls toward 0, and on fresh text
@@ -1170,47 +1219,10 @@ def test_a_language_model_trained_on_unshifted_labels_is_named_not_called_overfi
     import inspect
     import textwrap
 
-    from telemetry import TelemetryConfig, TrainingTelemetry
-
-    def ids(module):
-        return torch.tensor(list(Path(module.__file__).read_bytes()))
-
-    def windows(t, n, length=64):
-        return t[:n * length].reshape(n, length)
-
-    train, holdout, fresh = ids(inspect), windows(ids(textwrap), 40), windows(ids(difflib), 300)
-
-    class CharGRU(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.rnn = nn.Embedding(256, 32), nn.GRU(32, 64, batch_first=True)
-            self.head = nn.Linear(64, 256)
-
-        def forward(self, input_ids):
-            return self.head(self.rnn(self.embed(input_ids))[0])
-
+    train = source_ids(inspect)
+    holdout, fresh = text_windows(source_ids(textwrap), 40), text_windows(source_ids(difflib), 300)
     for name in ("unshifted", "shifted"):
-        torch.manual_seed(0)
-        model = CharGRU()
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
-        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=5))
-        tel.set_holdout_data({"input_ids": holdout, "labels": holdout})
-        gen, record = torch.Generator().manual_seed(0), None
-        for step in range(1, 151):
-            starts = torch.randint(0, len(train) - 64, (16,), generator=gen)
-            batch = torch.stack([train[s:s + 64] for s in starts.tolist()])
-            logits = model(batch)
-            if name == "unshifted":
-                loss = F.cross_entropy(logits.reshape(-1, 256), batch.reshape(-1))
-            else:
-                loss = F.cross_entropy(logits[:, :-1].reshape(-1, 256), batch[:, 1:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            record = tel.on_batch_end(model, opt, step, 0, batch={"input_ids": batch, "labels": batch},
-                                      loss=loss) or record
-        tel.close()
-        model.eval()
+        model, record = char_gru_run(tmp_path / name, train, holdout, shifted=name == "shifted")
         with torch.no_grad():
             def shares(x):
                 predicted = model(x)[:, :-1].argmax(-1)
@@ -1241,47 +1253,16 @@ def test_a_language_model_that_learns_only_the_token_frequencies_reads_at_chance
     import inspect
     import textwrap
 
-    from telemetry import TelemetryConfig, TrainingTelemetry
-
-    def ids(module):
-        return torch.tensor(list(Path(module.__file__).read_bytes()))
-
-    def windows(t, n, length=64):
-        return t[:n * length].reshape(n, length)
-
-    text, holdout, fresh = ids(inspect), windows(ids(textwrap), 40), windows(ids(difflib), 300)
+    text = source_ids(inspect)
+    holdout, fresh = text_windows(source_ids(textwrap), 40), text_windows(source_ids(difflib), 300)
     counts = np.bincount(text.numpy(), minlength=256) + 1.0  # the frequency count, add-one: the chance model
     counted = float(-np.log(counts / counts.sum())[fresh[:, 1:].numpy()].mean())
     _, held = np.unique(holdout[:, 1:].numpy(), return_counts=True)
     entropy = float(-(held / held.sum() * np.log(held / held.sum())).sum())
-
-    class CharGRU(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.rnn = nn.Embedding(256, 32), nn.GRU(32, 64, batch_first=True)
-            self.head = nn.Linear(64, 256)
-
-        def forward(self, input_ids):
-            return self.head(self.rnn(self.embed(input_ids))[0])
-
     for name in ("shuffled", "in_order"):
         torch.manual_seed(0)
         train = text[torch.randperm(len(text))] if name == "shuffled" else text
-        model = CharGRU()
-        opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
-        tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / name), collect_every_n=5))
-        tel.set_holdout_data({"input_ids": holdout, "labels": holdout})
-        gen = torch.Generator().manual_seed(0)
-        for step in range(1, 151):
-            starts = torch.randint(0, len(train) - 64, (16,), generator=gen)
-            batch = torch.stack([train[s:s + 64] for s in starts.tolist()])
-            loss = F.cross_entropy(model(batch)[:, :-1].reshape(-1, 256), batch[:, 1:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, step, 0, batch={"input_ids": batch, "labels": batch}, loss=loss)
-        tel.close()
-        model.eval()
+        model, _ = char_gru_run(tmp_path / name, train, holdout)
         with torch.no_grad():
             nll = F.cross_entropy(model(fresh)[:, :-1].reshape(-1, 256), fresh[:, 1:].reshape(-1)).item()
         run, found = codes(tmp_path / name)
