@@ -2669,6 +2669,7 @@ def _input_rms(run: Run):
 
 
 HOLDOUT_SHARE = 0.02   # this share of the looked-up training examples being holdout ones, and the holdout overlaps
+HOLDOUT_EXCESS = 3.0   # ... and this many times the share that the holdout's own repeated inputs lead one to expect
 
 
 def check_holdout_in_training(run: Run) -> list:
@@ -2676,14 +2677,22 @@ def check_holdout_in_training(run: Run) -> list:
     batch up among the holdout's (batch_stats.holdout_matches of holdout_checked: equal sums of their inputs,
     plain and randomly weighted). HOLDOUT_SHARE of them or more, and at least 5: the holdout was drawn from the
     training data (or the training data holds it), so its accuracy and loss are those of examples the model
-    trains on. A dataset's own duplicates, split apart at random, come to far less."""
+    trains on. A dataset's own duplicates, split apart at random, come to far less -- unless its inputs take
+    few values (one-hot codes, a few categorical features). Then the holdout's inputs repeat among themselves
+    too (run.json's input_pairs, pairs of holdout examples with the same inputs, which telemetry counts at
+    set_holdout_data), and a training example drawn from the same data matches one of H holdout examples with
+    probability 1 - (1 - c)^H, c the share of the holdout's pairs that are equal. The finding needs
+    HOLDOUT_EXCESS times that share."""
     found, checked = (_finite(column(run, f"batch_stats.{key}")) for key in ("holdout_matches", "holdout_checked"))
     if len(found) != len(checked) or not len(checked):
         return []
     matched, looked = int(found.sum()), int(checked.sum())
-    if matched < 5 or matched < HOLDOUT_SHARE * looked:
+    examples, pairs = (_get(run.meta, ["holdout", key]) for key in ("examples", "input_pairs"))
+    expected = 0.0
+    if _has_type(examples, int) and _has_type(pairs, int) and examples > 1:
+        expected = 1 - (1 - pairs / (examples * (examples - 1) / 2)) ** examples
+    if matched < 5 or matched < HOLDOUT_SHARE * looked or matched < HOLDOUT_EXCESS * expected * looked:
         return []
-    examples = _get(run.meta, ["holdout", "examples"])
     return [Finding(
         "holdout_in_training", "warning",
         f"the holdout overlaps the training data: {matched} of the {looked} training examples looked up at the "
@@ -3215,7 +3224,8 @@ FINDINGS = {
     "holdout_off_scale": (("warning",), "analyzer", "the holdout's inputs are on another scale than the training "
                           "batches' (4x or more), and it reads at chance: it skipped their preprocessing"),
     "holdout_in_training": (("warning",), "analyzer", "training examples are holdout examples (2% or more of "
-                            "those looked up): the holdout was drawn from the training data"),
+                            "those looked up, and 3x what the holdout's own repeated inputs predict): the "
+                            "holdout was drawn from the training data"),
     "repeated_batches": (("warning",), "analyzer", "the same inputs come back within an epoch (equal "
                          "fingerprints)"),
     "unshuffled_batches": (("warning",), "analyzer", "far fewer classes per batch than shuffling gives"),

@@ -4602,6 +4602,11 @@ OVERLAP_ROWS = 8
 OVERLAP_TOLERANCE = 1e-9
 
 
+def _same_sums(a: List[float], b: List[float]) -> bool:
+    """Whether two examples' overlap sums (plain, weighted) agree to OVERLAP_TOLERANCE: the same inputs."""
+    return all(abs(x - y) <= OVERLAP_TOLERANCE * (abs(x) + abs(y)) for x, y in zip(a, b))
+
+
 class _Holdout:
     """The fixed holdout set: up to holdout_size examples, how to run the model on them, where its
     predictions and labels are, whether it is regression, and the batches already moved to each device."""
@@ -4703,6 +4708,31 @@ class _Holdout:
         held, self.looked_up = self.signatures[key], key
         return None if held is None else rows.double() @ held[0]
 
+    def input_pairs(self) -> Dict[str, int]:
+        """How many pairs of holdout examples have the same inputs (overlap's two sums, to OVERLAP_TOLERANCE),
+        for run.json. Where inputs repeat within the holdout (a small discrete input space: one-hot codes, a few
+        categorical features), training examples match holdout ones about as often with the split done right,
+        and the analyzer expects as many. Empty where overlap looks nothing up (token ids)."""
+        try:
+            first = next((x for x in map(batch_inputs, self.batches) if x is not None and x.dim()), None)
+            if first is None or not first.is_floating_point():
+                return {}
+            key = (first[0].numel(), torch.device("cpu"))  # kept: CPU batches look up the same
+            if key not in self.signatures:
+                self.signatures[key] = self._signatures(*key)
+            held = self.signatures[key]
+        except Exception:  # what telemetry only describes never stops set_holdout_data
+            return {}
+        if held is None:
+            return {}
+        pairs, run = 0, 1  # equal examples sit next to each other in the sorted sums
+        for a, b in zip(held[1], held[1][1:] + [None]):
+            if b is not None and _same_sums(a, b):
+                run += 1
+            else:
+                pairs, run = pairs + run * (run - 1) // 2, 1
+        return {"input_pairs": pairs}
+
     def overlap(self, sums: List[List[float]]) -> tuple:
         """(how many of the rows of overlap_sums, as numbers, are a holdout example's sums, to OVERLAP_TOLERANCE
         in both; how many rows): a holdout drawn from the training data shows as training examples that are
@@ -4710,8 +4740,7 @@ class _Holdout:
         held, found = self.signatures[self.looked_up], 0
         for row in sums:
             at = bisect.bisect_left(held[2], row[1])
-            found += any(all(abs(h - r) <= OVERLAP_TOLERANCE * (abs(h) + abs(r)) for h, r in zip(held[1][k], row))
-                         for k in (at - 1, at) if 0 <= k < len(held[1]))
+            found += any(_same_sums(held[1][k], row) for k in (at - 1, at) if 0 <= k < len(held[1]))
         return found, len(sums)
 
     def _signatures(self, size: int, device: torch.device) -> Optional[tuple]:
@@ -5056,7 +5085,7 @@ class TrainingTelemetry:
         examples = self._holdout.set(batches, forward, labels, output)
         if self._active():
             self._files.update_info(holdout={"examples": examples, **self._holdout.input_scale(),
-                                             **self._holdout.token_entropy()})
+                                             **self._holdout.input_pairs(), **self._holdout.token_entropy()})
 
     def on_batch_end(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                      batch_idx: int, epoch: int, device: Any = None, batch: Any = None, loss: Any = None,
