@@ -4621,6 +4621,7 @@ class _Holdout:
         self.labels: Optional[Callable] = None
         self.output: Any = None
         self.regression = False
+        self.graded = False  # integer labels other than 0/1: one output per example is then a regression
         self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
         self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
         # A bool on the device: no evaluation so far had one output per example outside [0, 1] (see
@@ -4654,6 +4655,10 @@ class _Holdout:
         self.batches, self.on_device, self.probabilities, self.signatures = batches, {}, None, {}
         self.forward, self.labels, self.output = forward, labels, output
         self.regression = any(is_regression_target(t) for t in found)
+        # Integer labels beyond 0/1 against one output per example: a regression on them (ordinal targets, or
+        # class indices under MSE), which a binary reading would score with BCE against targets of 2 and more.
+        self.graded = any(not t.is_floating_point() and t.dim() <= 1 and not _zero_one(t.detach().cpu())
+                          for t in found)
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
         return sum(_holdout_batch_size(b) for b in batches)
 
@@ -4828,7 +4833,7 @@ class _Holdout:
         if lm:
             return merge_lm_holdout(lm)
         outputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(p[1].shape[0], -1) for p in parts])
-        if self.regression:
+        if self.regression or (self.graded and (outputs.dim() == 1 or outputs.shape[-1] == 1)):
             return regression_holdout(outputs, targets)
         so_far = self.probabilities if self.probabilities is not None else torch.ones((), dtype=torch.bool,
                                                                                         device=outputs.device)
@@ -5079,7 +5084,8 @@ class TrainingTelemetry:
         (collated here), or one batch. An (inputs..., labels) batch runs model(*inputs); a dict runs
         model(**batch without the label key). `forward(model, batch) -> outputs` and `labels(batch) -> tensor`
         override this, and `output` says where the predictions are in the outputs (an index, a key, or a
-        callable) when the model returns several tensors. Float targets (other than 0/1) are regression.
+        callable) when the model returns several tensors. Float targets (other than 0/1) are regression, and so
+        is one output per example against integer labels beyond 0/1.
         What cannot be used is refused here, with a ValueError that says what to pass.
         """
         examples = self._holdout.set(batches, forward, labels, output)

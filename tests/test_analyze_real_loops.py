@@ -1339,6 +1339,45 @@ def test_a_holdout_from_a_small_discrete_input_space_is_not_called_a_leak(tmp_pa
     assert "holdout_in_training" not in found, found["holdout_in_training"].message
 
 
+@pytest.mark.parametrize("data", ["wine", "digits"])
+def test_one_output_against_integer_labels_is_scored_as_a_regression(tmp_path, data):
+    """One output per example trained with MSE on integer labels: wine's three classes as an ordinal target
+    (a fresh test set's MSE is a fraction of the mean's), and the digits' ten class indices (a loop that
+    meant CrossEntropy). Telemetry scored the one output as a binary logit with BCE against targets of 2 and
+    more: the analyzer then read a negative holdout loss and said holdout_at_chance ("2 classes"), critical,
+    and for the digits loss_diverging at 40x the loss of a model that knows nothing, while the loss fell.
+    The holdout is now a regression: its predictions and squared errors are a manual pass's, and none of those
+    findings is told."""
+    from sklearn.datasets import load_digits, load_wine
+
+    loader = load_wine if data == "wine" else load_digits
+    x, y = loader(return_X_y=True)
+    x = torch.tensor((x - x.mean(0)) / (x.std(0) + 1e-8), dtype=torch.float32)
+    y = torch.tensor(y)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    train, hold, test = order[:len(y) // 2], order[len(y) // 2:len(y) // 2 + 40], order[len(y) // 2 + 40:]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(x.shape[1], 32), nn.ReLU(), nn.Linear(32, 1))
+    checked = []
+
+    def seen(record, batch, loss):
+        with torch.no_grad():
+            manual = model(x[hold]).reshape(-1)
+        section = record["holdout_logits"]
+        assert section["kind"] == "regression"
+        assert section["predictions"] == pytest.approx(manual.tolist(), rel=1e-5, abs=1e-6)
+        assert section["loss"] == pytest.approx(float(((manual - y[hold]) ** 2).double().mean()), rel=1e-5)
+        checked.append(record["step"])
+    sampled_run(tmp_path, model, x[train], y[train], (x[hold], y[hold]), 400, 16, lr=3e-3, seen=seen,
+                loss_fn=lambda out, target: F.mse_loss(out.squeeze(-1), target.float()))
+    with torch.no_grad():
+        fresh = F.mse_loss(model(x[test]).squeeze(-1), y[test].float())
+    assert len(checked) == 50 and fresh < 0.3 * y[test].float().var()
+    run, found = codes(tmp_path)
+    assert not {"holdout_at_chance", "loss_diverging", "negative_loss"} & set(found), found
+    assert not [f for f in found.values() if f.severity == "critical"], found
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set
