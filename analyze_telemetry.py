@@ -942,10 +942,15 @@ def check_not_in_optimizer(run: Run) -> list:
     what = (f"{tensors} trainable tensor(s) ({_fmt(_count(info, 'elements'))} weights"
             + (f": {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}" if names else "") + ")"
             if tensors else "some parameters (the records' not_in_optimizer group)")
+    groups = {g: v for g, v in _meta_groups(run).items() if g != NOT_IN_OPTIMIZER}
+    none_held = isinstance(run.meta.get("groups"), dict) and not any(_count(v, "tensors") for v in groups.values())
     return [Finding(
         NOT_IN_OPTIMIZER, "warning",
         f"{what} have requires_grad=True but are in no optimizer param group: the optimizer never updates them, "
-        "and since optimizer.zero_grad() does not clear them either, their .grad only grows.",
+        "and since optimizer.zero_grad() does not clear them either, their .grad only grows."
+        + (" The optimizer holds none of the model's trainable tensors: it was built for another instance of "
+           "the model (one created or loaded again after the optimizer), or it steps copies of the weights."
+           if none_held and tensors else ""),
         _steps_list(steps(run)[:1]), group=NOT_IN_OPTIMIZER,
         hint="If they should train, add them to the optimizer (build it after the model is complete, or "
              "add_param_group); if another optimizer trains them, pass every optimizer to on_batch_end, as a "
@@ -1071,8 +1076,11 @@ def check_missing_gradients(run: Run) -> list:
         null &= np.isnan(column(run, ("gradient_norm", g)))
     missing = [int(v) for v in steps(run)[null]]
     groups = {g: info for g, info in _meta_groups(run).items() if g != NOT_IN_OPTIMIZER}
-    if not missing or groups and not any(_count(info, "tensors") for info in groups.values()):
-        return []   # the optimizer holds no trainable tensor: no .grad to read (frozen_parameters, not_in_optimizer)
+    if not missing or (groups or isinstance(run.meta.get("groups"), dict)) and not any(
+            _count(info, "tensors") for info in groups.values()):
+        # The optimizer holds no trainable tensor of the model (none at all: run.json's groups are empty): no
+        # .grad to read, and nothing cleared it (frozen_parameters, not_in_optimizer)
+        return []
     share = len(missing) / considered
     return [Finding(
         "missing_gradients", "critical" if share >= 0.5 else "warning",

@@ -5328,7 +5328,8 @@ class TrainingTelemetry:
         stats = c.record.get("batch_stats")
         if isinstance(stats, dict) and "holdout_sums" in stats:
             stats["holdout_matches"], stats["holdout_checked"] = self._holdout.overlap(stats.pop("holdout_sums"))
-        _warn_about_gradients(c.record, self._warn)
+        if c.layout is not None and c.layout.params:  # none held by the optimizer: "outside" said so
+            _warn_about_gradients(c.record, self._warn)
         _null_ratios_of_zero_weights(c.record)
         if c.layout is not None and nonfinite:  # rare: one more pass names the culprits
             c.add("nonfinite_params", nonfinite_params, c.layout)

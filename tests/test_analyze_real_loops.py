@@ -1020,6 +1020,33 @@ def test_an_optimizer_that_holds_only_frozen_tensors_is_not_a_call_order_problem
     assert at.diagnose(run)[0].code in ("not_in_optimizer", "frozen_parameters")
 
 
+def test_an_optimizer_built_for_an_earlier_instance_of_the_model_is_named_first(tmp_path):
+    """The optimizer built, then the model created again (a second `model = MLP()` after it): the loop calls
+    backward -> step -> on_batch_end -> zero_grad as it should, but the optimizer holds none of the model's
+    tensors, so nothing trains and a fresh test set is at chance. missing_gradients led, saying the gradients
+    were cleared before the hook and to call it before zero_grad, and telemetry warned the same while
+    training. not_in_optimizer now leads and says the optimizer holds none of the model's tensors; neither
+    the finding nor the warning about call order is given."""
+    from sklearn.datasets import load_digits
+
+    x, y, _ = standardized(load_digits, fit=800)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    start = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train_digits(tmp_path, model, opt, x, y, 100)
+    assert all(torch.equal(a, p) for a, p in zip(start, model.parameters()))  # nothing trained it
+    assert not [w for w in seen if "before zero_grad" in str(w.message)], [str(w.message) for w in seen]
+    run, found = codes(tmp_path)
+    assert all(r["gradient_norm"]["overall"] is None for r in run.records)
+    assert "missing_gradients" not in found, found["missing_gradients"].message
+    top = at.diagnose(run)[0]
+    assert top.code == "not_in_optimizer" and "none of the model's trainable tensors" in top.message
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_padding_that_keeps_its_labels_is_named(tmp_path, masked):
     """A character GRU on Python's own source, windows of 16-48 characters right-padded to 48 with an
