@@ -2852,13 +2852,14 @@ def check_class_imbalance(run: Run) -> list:
                 hs = float(np.mean(h.labels == int(c)))
             except ValueError:
                 continue
-            # Two samples of one distribution differ by chance: the holdout's few examples, and the train set
-            # the batches come from (a small one, repeated every epoch, is no larger a sample for its many
-            # batches). The spread of their difference at the pooled share, not at the holdout's own share
-            # (at a share near 0 that spread vanishes), so that a 30-example holdout split at random off a
-            # balanced 150-example set is not called another distribution.
-            p = (share * n_t + hs * n_h) / (n_t + n_h) if n_t else share
-            spread = math.sqrt(max(p * (1 - p), 1e-6) * (1 / n_h + (1 / n_t if n_t else 0)))
+            # Two samples of one distribution differ by chance: the holdout's few examples, the train set the
+            # batches come from (a small one, repeated every epoch, is no larger a sample for its many
+            # batches), and the labels counted in the collected batches (a run of batches of one, collected
+            # every 20 steps, counts a few dozen). The spread of their difference at the pooled share, not at
+            # the holdout's own share (at a share near 0 that spread vanishes), so that a 30-example holdout
+            # split at random off a balanced 150-example set is not called another distribution.
+            p = (share * total + hs * n_h) / (total + n_h)
+            spread = math.sqrt(max(p * (1 - p), 1e-6) * (1 / n_h + 1 / max(total, 1) + (1 / n_t if n_t else 0)))
             if abs(share - hs) > max(0.15, 3 * spread):
                 apart = f"class {c} is {share:.1%} of train batches but {hs:.1%} of the holdout"
                 break
@@ -2878,10 +2879,20 @@ def check_class_imbalance(run: Run) -> list:
     # imbalance the holdout shares says nothing about why the holdout is at chance or rising.
     hint = ("Rebalance with a WeightedRandomSampler or class weights in the loss, or check the sampler; make sure "
             "train and holdout come from the same distribution.")
-    if apart and len(reasons) == 1:   # balanced batches, a holdout of other shares: the split, not the sampler
+    severity = "warning"
+    if apart and len(reasons) == 1:   # batches balanced enough, a holdout of other shares: not the sampler
         hint = ("Split the holdout off the training data at random (data sorted or grouped by class, or a holdout "
                 "from another source, gives other shares); its accuracy and loss weigh the classes otherwise.")
-    return [Finding("class_imbalance", "warning", "; ".join(reasons) + ".", _steps_list([st[0], st[-1]]), hint=hint,
+        if all(abs(v - expected) <= 3 * _sigma(expected, total) for v in shares):
+            # Batches as balanced as chance allows against an uneven holdout is also what a sampler that
+            # rebalances the classes gives, by design (the fix the other case hints at): a note, not an alarm.
+            severity = "info"
+            reasons[0] += " (the train batches are balanced)"
+            hint = ("If a sampler rebalances the classes (WeightedRandomSampler, oversampling), this is by design: "
+                    "the holdout weighs the classes as the data does, the batches evenly. If not, split the holdout "
+                    "off the training data at random (data sorted or grouped by class, or a holdout from another "
+                    "source, gives other shares).")
+    return [Finding("class_imbalance", severity, "; ".join(reasons) + ".", _steps_list([st[0], st[-1]]), hint=hint,
                     explains_only=None if apart else ())]
 
 
@@ -2907,7 +2918,8 @@ def check_unshuffled_batches(run: Run) -> list:
     seen = (m > 0).sum(axis=1)
     stats = {int(b): _distinct_classes(p, int(b)) for b in set(sizes.tolist()) if b >= 1}
     expected = np.array([stats[int(b)][0] for b in sizes])
-    se = math.sqrt(sum(stats[int(b)][1] for b in sizes)) / len(sizes)
+    # max: batches of one hold one class each, a variance of 0 that rounding can leave just below it
+    se = math.sqrt(max(sum(stats[int(b)][1] for b in sizes), 0.0)) / len(sizes)
     gap = float(expected.mean() - seen.mean())
     # One-sided: 4 standard errors below what shuffling gives, and a quarter of the classes missing from
     # the average batch (a class-aware or bucketing sampler may shave off a little, by design).
@@ -3244,8 +3256,9 @@ FINDINGS = {
                         "many times an untrained model's"),
     "unscaled_targets": (("warning",), "analyzer", "a regression's targets are far from standardised ones (root "
                          "mean square over 10), and the run blows up, stalls or ends no better than their mean"),
-    "class_imbalance": (("warning",), "analyzer", "the batches' label shares are far from even, or from the "
-                        "holdout's"),
+    "class_imbalance": (("info", "warning"), "analyzer", "the batches' label shares are far from even, or from "
+                        "the holdout's (a note where the batches are balanced and the holdout is not, as a sampler "
+                        "that rebalances the classes makes them)"),
     "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights (the gradients of steps a "
                                          "GradScaler skipped only when it skips most)"),
     "loss_diverging": (("warning",), "analyzer", "the training loss grows over the run"),
