@@ -1890,16 +1890,34 @@ def _gradient_trends(run: Run) -> list:
             for i in pieces if len(i) >= 6]
 
 
-def _grad_growth(t: Trend):
+def _losses_at(run: Run, t: Trend) -> np.ndarray:
+    """The train loss at the trend's steps (NaN where a record has none)."""
+    by_step = dict(zip(steps(run)[segment_ids(run) == t.segment].tolist(),
+                       column(run, "loss")[segment_ids(run) == t.segment].tolist()))
+    return np.array([by_step.get(s, math.nan) for s in t.steps.tolist()], dtype=float)
+
+
+def _learning_through(loss: np.ndarray) -> bool:
+    """The train loss fell by a fifth or more over the stretch and is at its lowest in its last fifth: gradients
+    that grew meanwhile grew with the learning (a model leaving a plateau where they were tiny, as a
+    transformer's classifier does), not in a blow-up, which leaves the loss higher or stuck."""
+    loss = _finite(loss)
+    if len(loss) < 6:
+        return False
+    fifths = [float(np.median(part)) for part in np.array_split(loss, 5)]
+    return fifths[-1] <= 0.8 * fifths[0] and fifths[-1] <= 1.1 * min(fifths)
+
+
+def _grad_growth(t: Trend, loss: np.ndarray):
     growth = t.tail / t.head
-    if growth < 10:
+    if growth < 10 or _learning_through(loss):
         return None
     k = max(3, int(math.ceil(0.2 * len(t.norms))))
     return (f"the gradient norm grew {growth:.0f}x, from median {_fmt(t.head)} in the first fifth of the run to "
             f"{_fmt(t.tail)} in the last{t.where}", [int(t.steps[-k])])
 
 
-def _grad_jumps(t: Trend):
+def _grad_jumps(t: Trend, loss: np.ndarray):
     g, st = t.norms, t.steps
     med, _ = _prev_window_stats(g, 20, 5, with_mad=False)
     # Gradient norms vary multiplicatively, and by a lot with small batches (a batch of 4 holding one hard
@@ -1915,6 +1933,10 @@ def _grad_jumps(t: Trend):
     # Near convergence the norm can wobble 100x around ~0; only jumps that matter on the run's
     # starting scale count.
     spikes = np.where((ratio >= 20) & (z >= 6) & (g >= 0.1 * t.head))[0]
+    # A jump the loss fell through (lower over it and the next two collections than over the five before) is
+    # the model starting to learn, not a blow-up.
+    spikes = [i for i in spikes if not np.nanmedian(loss[i:i + 3]) < np.nanmedian(loss[max(i - 5, 0):i])] \
+        if np.isfinite(loss).all() else spikes
     if not len(spikes):
         return None
     worst = spikes[np.argmax(ratio[spikes])]
@@ -1948,7 +1970,7 @@ def check_exploding_gradients(run: Run) -> list:
     st, g, _ = _grad_series(run)
     if g is None or len(g) < 6:
         return []
-    found = [rule(t) for t in _gradient_trends(run) for rule in (_grad_growth, _grad_jumps)]
+    found = [rule(t, _losses_at(run, t)) for t in _gradient_trends(run) for rule in (_grad_growth, _grad_jumps)]
     found = [f for f in found + [_blown_up_loss(run, st, g)] if f]
     if not found:
         return []
@@ -3263,9 +3285,12 @@ FINDINGS = {
                                          "GradScaler skipped only when it skips most)"),
     "loss_diverging": (("warning",), "analyzer", "the training loss grows over the run"),
     "loss_spike": (("warning",), "both", "the loss jumps far outside its rolling noise band"),
-    "exploding_gradients": (("warning",), "analyzer", "the gradient norm jumps to many times its median"),
-    "grad_spike": (("warning",), "telemetry", "alert: the gradient norm far outside its rolling noise band"),
-    "grad_explosion": (("critical",), "telemetry", "alert: the gradient norm many times its rolling median"),
+    "exploding_gradients": (("warning",), "analyzer", "the gradient norm jumps to many times its median, or "
+                            "grows 10x, while the loss does not fall through it"),
+    "grad_spike": (("warning",), "telemetry", "alert: the gradient norm far outside its rolling noise band "
+                   "(not while the loss falls through its own)"),
+    "grad_explosion": (("critical",), "telemetry", "alert: the gradient norm many times its rolling median (not "
+                       "while the loss falls through its own noise band)"),
     "loss_oscillating": (("warning",), "analyzer", "the loss swings up and down instead of falling"),
     "dead_units": (("warning",), "analyzer", "ReLU units that never fire on the holdout"),
     "saturated_units": (("warning",), "analyzer", "tanh/sigmoid units stuck at their limits on the holdout"),

@@ -2794,7 +2794,12 @@ class _AlertMonitor:
         if not _finite_number(norm):
             return
         cfg, history = self.config, self.history["grad"]
-        if len(history) >= MIN_ALERT_HISTORY:
+        loss, losses = record.get("loss"), list(self.history["loss"])[:-1]  # _loss_spikes added this one
+        # Gradients that grow while the loss falls through its own noise band are a model starting to learn
+        # (leaving a plateau where its gradients were tiny), not a blow-up, which leaves the loss where it was
+        # or higher.
+        learning = _finite_number(loss) and len(losses) >= MIN_ALERT_HISTORY and robust_z(losses, loss) < -3
+        if len(history) >= MIN_ALERT_HISTORY and not learning:
             median = statistics.median(history)
             z = robust_z(history, norm)
             # An explosion is a spike that is also an order of magnitude: late in training gradient norms

@@ -154,7 +154,9 @@ def sc_not_learning(tmp):
 
 
 def sc_exploding_gradients(tmp):
-    return healthy_records(grad_scale=lambda t: 10 ** (4 * max(0.0, t - 0.5)))
+    # the loss climbs back up as the gradients grow (gradients that grow while it keeps falling are learning)
+    return healthy_records(grad_scale=lambda t: 10 ** (4 * max(0.0, t - 0.5)),
+                           loss_level=lambda t: 0.12 + 0.58 * math.exp(-3.5 * t) + 2 * max(0.0, t - 0.5))
 
 
 def sc_vanishing_gradients(tmp):

@@ -558,6 +558,19 @@ def test_gradient_spike_and_explosion(tmp_path):
     assert codes(boom) == [("grad_explosion", None)] and boom["alerts"][0]["severity"] == "critical"
 
 
+def test_gradients_that_grow_as_the_loss_falls_through_its_band_are_no_explosion(tmp_path):
+    """A classifier leaving a plateau: the loss sits at 1.386 with gradient norms near 1 for 20 collections,
+    then falls (0.9 at the next) while the gradients grow 12x, as a transformer's do when it starts to learn.
+    That raised a critical grad_explosion; it is the learning, and no alert is raised. The same growth with
+    the loss where it was is still one."""
+    _, _, _, collect = planted_run(tmp_path)
+    assert all("alerts" not in collect(s, loss=1.386 + 0.002 * math.sin(s)) for s in range(20))
+    assert "alerts" not in collect(20, scale=12.0, loss=0.9)
+    _, _, _, collect = planted_run(tmp_path / "flat")
+    assert all("alerts" not in collect(s, loss=1.386 + 0.002 * math.sin(s)) for s in range(20))
+    assert codes(collect(20, scale=12.0, loss=1.38)) == [("grad_explosion", None)]
+
+
 def test_a_rise_of_a_few_percent_over_a_tight_history_is_no_spike(tmp_path):
     """A loss of exactly 1.0 for 20 collections has a MAD of 0: 1.3x and 1.9x are still no spike, however
     many robust SDs they make (a noisy run's short window can hold too little of its spread), 2.5x is."""
