@@ -915,10 +915,12 @@ def check_frozen_parameters(run: Run) -> list:
         share = still / (still + moving) if still + moving else 1.0
         names = [_text(n) for n in info.get("frozen_names") or [] if isinstance(n, str)]
         what = "all of its" if not trainable else f"{frozen} of its {frozen + trainable}"
-        # Most of a group frozen while its lr says train is the mistake of freezing after the optimizer was
-        # built; a few frozen tensors among trainable ones may be meant (a frozen embedding).
+        # A whole group frozen while its lr says train is the mistake of freezing after the optimizer was
+        # built with that group's lr. Frozen tensors among trainable ones in one group may well be meant: a
+        # pretrained backbone frozen before Adam(model.parameters()), which skips tensors without a .grad, a
+        # common fine-tuning idiom; a warning says which, and the hint how to tell.
         findings.append(Finding(
-            "frozen_parameters", "critical" if share >= 0.5 else "warning",
+            "frozen_parameters", "critical" if not trainable else "warning",
             f"group '{g}' has learning rate {_fmt(lr)} but {what} tensors ({_fmt(still)} weights, {share:.0%} of the "
             "group) have requires_grad=False, so the optimizer never changes them"
             + (f": {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}" if names else "") + ".",

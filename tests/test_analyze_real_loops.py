@@ -1020,6 +1020,39 @@ def test_an_optimizer_that_holds_only_frozen_tensors_is_not_a_call_order_problem
     assert at.diagnose(run)[0].code in ("not_in_optimizer", "frozen_parameters")
 
 
+def test_a_backbone_frozen_before_the_optimizer_over_all_parameters_is_a_warning(tmp_path):
+    """Fine-tuning as it is often written: a backbone pretrained (on digits 0-4 here) is frozen with
+    requires_grad_(False), a new head added, and Adam built over model.parameters(), which skips the tensors
+    without a .grad. The backbone stays bit-identical and the run reaches 0.8 on fresh digits. The analyzer
+    made that a critical frozen_parameters (failing --check) because most of the one group is frozen. It is a
+    warning now, whose hint says how to tell a meant freeze; a whole group frozen under its own lr stays
+    critical (test_frozen_parameters)."""
+    from sklearn.datasets import load_digits
+
+    x, y, _ = standardized(load_digits, fit=1000)
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    pretrain = nn.Sequential(backbone, nn.Linear(64, 5))
+    first = torch.nonzero(y[:1000] < 5).flatten()
+    opt = torch.optim.Adam(pretrain.parameters(), lr=1e-3)
+    for step in range(300):
+        idx = first[torch.randint(0, len(first), (32,), generator=torch.Generator().manual_seed(step))]
+        opt.zero_grad()
+        F.cross_entropy(pretrain(x[idx]), y[idx]).backward()
+        opt.step()
+    backbone.requires_grad_(False)
+    model = nn.Sequential(backbone, nn.Linear(64, 10))
+    kept = [p.detach().clone() for p in backbone.parameters()]
+    sampled_run(tmp_path, model, x[:1000], y[:1000], (x[1000:1050], y[1000:1050]), 400, 32,
+                opt=torch.optim.Adam(model.parameters(), lr=5e-3))
+    assert all(torch.equal(a, p) for a, p in zip(kept, backbone.parameters()))
+    with torch.no_grad():
+        assert (model(x[1100:]).argmax(1) == y[1100:]).float().mean() > 0.8
+    _, found = codes(tmp_path)
+    assert found["frozen_parameters"].severity == "warning" and "4 of its 6" in found["frozen_parameters"].message
+    assert not [f.code for f in found.values() if f.severity == "critical"], found
+
+
 def test_an_optimizer_built_for_an_earlier_instance_of_the_model_is_named_first(tmp_path):
     """The optimizer built, then the model created again (a second `model = MLP()` after it): the loop calls
     backward -> step -> on_batch_end -> zero_grad as it should, but the optimizer holds none of the model's
