@@ -1155,6 +1155,35 @@ def check_lr_collapsed(run: Run) -> list:
              "schedule's length against the number of optimizer steps.")]
 
 
+LR_BELOW_BASE = 0.01   # every group's learning rate under this share of the lr its scheduler started from
+
+
+def check_lr_below_base(run: Run) -> list:
+    """The learning rate never came near the one set on the optimizer: every group that a scheduler drives
+    stayed, over the whole run, under LR_BELOW_BASE of the lr the scheduler started from (its initial_lr,
+    which telemetry lists in run.json). A warmup that counts optimizer steps stepped once per epoch, or one
+    longer than the run, or a schedule's factor off by orders of magnitude: the run trains at a rate its
+    author never chose, and a stalled loss asks for a learning rate 3-10x higher when it is 100x."""
+    bases = run.meta.get("initial_lrs")
+    peaks = {}
+    for g, base in (bases.items() if isinstance(bases, dict) else []):
+        lr = _finite(column(run, ("learning_rates", g)))
+        if not _has_type(base, (int, float)) or not base > 0 or len(lr) < 8:
+            continue
+        peaks[g] = (float(lr.max()), float(base))
+    if not peaks or any(peak >= LR_BELOW_BASE * base for peak, base in peaks.values()):
+        return []
+    said = "; ".join(f"group '{g}' peaked at {_fmt(peak)} against {_fmt(base)} ({peak / base:.2%})"
+                     for g, (peak, base) in peaks.items())
+    return [Finding(
+        "lr_below_base", "warning",
+        f"the learning rate stayed under {LR_BELOW_BASE:.0%} of the lr its scheduler started from (the "
+        f"optimizer's lr, its initial_lr) over the whole run: {said}.", _steps_list(steps(run)[:1]),
+        hint="A warmup (LambdaLR, LinearLR, get_linear_schedule_with_warmup) whose length counts optimizer steps "
+             "but that is stepped once per epoch, or that is longer than the run: call scheduler.step() after "
+             "every optimizer.step(), or shorten the warmup; else check the schedule's factor.")]
+
+
 def check_ignored_group_key(run: Run) -> list:
     """Param-group keys the optimizer never reads that look like one it does ("learning_rate" for "lr"), with
     another value (telemetry.py lists them in run.json): that setting was never applied, and the learning
@@ -3193,7 +3222,7 @@ def check_metric_errors(run: Run) -> list:
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
-          check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_ignored_group_key,
+          check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base, check_ignored_group_key,
           check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode, check_negative_loss,
           check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_weights_collapsed,
           check_not_learning, check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
@@ -3214,7 +3243,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # under it, not beside it.
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
-     "lora_not_learning", "lr_zero", "lr_collapsed", "ignored_group_key", "probability_outputs", "unscaled_inputs",
+     "lora_not_learning", "lr_zero", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs", "unscaled_inputs",
      "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
      "gradients_clipped", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
@@ -3246,6 +3275,8 @@ FINDINGS = {
                 "group's"),
     "lr_collapsed": (("warning",), "analyzer", "the learning rate fell below 1/1000 of its peak in the first half "
                      "of the run and stayed there"),
+    "lr_below_base": (("warning",), "analyzer", "every learning rate stayed under 1/100 of the lr its scheduler "
+                      "started from, over the whole run (a warmup that never ends)"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
     "eval_mode": (("warning",), "analyzer", "the model trains in eval mode (model.eval() for validation and no "
@@ -3352,6 +3383,7 @@ CONSEQUENCES = {
     "unscaled_inputs": _OFF_SCALE + ("class_imbalance",),
     "unscaled_targets": _OFF_SCALE,
     "lr_collapsed": _UNTRAINED_PART + ("not_learning",),
+    "lr_below_base": _UNTRAINED_PART + ("not_learning",),
     # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly
     "probability_outputs": ("loss_stalled", "not_learning", "vanishing_gradients"),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model

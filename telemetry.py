@@ -3205,6 +3205,8 @@ class _Layout:
     beyond: List[tuple] = dataclasses.field(default_factory=list)  # (optimizer group, tensor) not in the model
     complex: List[tuple] = dataclasses.field(default_factory=list)  # trainable complex tensors: not measured
     ignored: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)  # see ignored_group_keys
+    # optimizer group -> the lr its scheduler started from (the key LR schedulers add to a param group)
+    initial_lrs: Dict[str, float] = dataclasses.field(default_factory=dict)
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     # device -> by_group's rows there: the overall one (the first partition's rows added up), then the membership
     totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -3364,6 +3366,8 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
     layout.complex = [(n, p) for n, p in held if p.requires_grad and p.is_complex()]
     layout.ignored = ignored_group_keys(optimizer, opt_names)
+    layout.initial_lrs = {n: float(g["initial_lr"]) for n, g in zip(opt_names, opt_groups)
+                          if type(g.get("initial_lr")) in (int, float) and math.isfinite(g["initial_lr"])}
     model_ids = {id(p) for _, p in every}
     if held:  # else the optimizer holds copies of the weights (master weights), not the model's tensors
         layout.beyond = [(opt_names[gi], p) for gi, g in enumerate(opt_groups) for p in g["params"]
@@ -3505,6 +3509,8 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
         info["not_in_optimizer"] = count(layout.outside)
     if layout.ignored:
         info["ignored_group_keys"] = layout.ignored
+    if layout.initial_lrs:
+        info["initial_lrs"] = layout.initial_lrs
     if layout.complex:
         info["complex"] = count(layout.complex)
     if layout.beyond:

@@ -1575,6 +1575,56 @@ def test_gradients_that_grow_as_a_transformer_starts_learning_are_no_explosion(t
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+@pytest.mark.parametrize("schedule", ["warmup_per_epoch", "warmup_per_step", "one_cycle"])
+def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
+    """The digits MLP with Adam at 2e-3 behind a LambdaLR warmup of 2,000 steps that the loop steps once per
+    epoch: over 8 epochs the learning rate never passes 8e-6, and the model stays at chance on fresh digits.
+    The analyzer said the loss stalled and hinted at a learning rate 3-10x higher. lr_below_base now leads,
+    from run.json's initial_lrs (the optimizer's lr, which the scheduler records). The same warmup stepped
+    per step (50 steps), and a OneCycleLR, which starts at a 25th of its peak, train and are not told."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    x, y, _ = standardized(load_digits, fit=1000)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    per_epoch, epochs = 1000 // 32, 8
+    if schedule == "one_cycle":
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=per_epoch * epochs)
+    else:
+        warm = 2000 if schedule == "warmup_per_epoch" else 50
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    base = opt.param_groups[0]["initial_lr"]
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[1000:1050], y[1000:1050]))
+    gen = torch.Generator().manual_seed(0)
+    for epoch in range(epochs):
+        order = torch.randperm(1000, generator=gen)
+        for i in range(per_epoch):
+            idx = order[i * 32:(i + 1) * 32]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+            opt.zero_grad()
+            if schedule != "warmup_per_epoch":
+                scheduler.step()
+        if schedule == "warmup_per_epoch":
+            scheduler.step()
+    tel.close()
+    with torch.no_grad():
+        fresh = (model(x[1100:]).argmax(1) == y[1100:]).float().mean()
+    run, found = codes(tmp_path)
+    assert run.meta["initial_lrs"] == {"group_0": pytest.approx(base)}
+    lrs = [r["learning_rates"]["group_0"] for r in run.records]
+    if schedule == "warmup_per_epoch":
+        assert fresh < 0.2 and max(lrs) < 0.005 * 2e-3
+        assert at.diagnose(run)[0].code == "lr_below_base" and "0.40%" in found["lr_below_base"].message
+    else:
+        assert fresh > 0.9 and "lr_below_base" not in found, found
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set
