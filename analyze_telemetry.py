@@ -793,7 +793,9 @@ def _edge_median(x: np.ndarray, which: str, frac: float = 0.2, min_n: int = 3) -
     x = _finite(x)
     if not len(x):
         return math.nan
-    k = min(len(x), max(min_n, int(math.ceil(frac * len(x)))))
+    # At most half of them: with few values, the first and the last windows do not overlap (three records
+    # would otherwise give one median for both ends)
+    k = min(max(1, len(x) // 2), max(min_n, int(math.ceil(frac * len(x)))))
     return float(np.median(x[:k] if which == "first" else x[-k:]))
 
 
@@ -2623,6 +2625,15 @@ def _batch_counts(run: Run):
     return [str(names[i]) for i in order], m[:, order], m.sum(axis=1), steps(run)[rows]
 
 
+def _int_or_none(text):
+    """A label value ("3") as an int; None where it is not a whole number."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return int(value) if math.isfinite(value) and value == int(value) else None
+
+
 def _train_shares(run: Run):
     """(labels, share of each in the train batches, batches, steps) of a classification run, classes the
     holdout knows of but no batch held included at share 0; None without label counts or for regression."""
@@ -2898,7 +2909,11 @@ def check_class_imbalance(run: Run) -> list:
                        f"over {batches} batches (balanced would be {expected:.1%} each)")
     h = holdout_data(run)
     apart = None
-    if h and h.kind == "classification" and h.labels is not None and len(h.labels) >= 20:
+    # Values the holdout's classes cannot take are no labels of its: the batch's last tensor holds something
+    # else (an (inputs, labels, index) batch's example indices), and comparing its shares says nothing.
+    foreign = h is not None and h.kind == "classification" and bool(h.num_classes) and any(
+        _int_or_none(c) is not None and not 0 <= _int_or_none(c) < h.num_classes for c in labels)
+    if h and h.kind == "classification" and h.labels is not None and len(h.labels) >= 20 and not foreign:
         n_h, n_t = len(h.labels), _train_set_size(run)
         for c, share in zip(labels, shares):
             try:

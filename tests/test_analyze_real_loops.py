@@ -1625,6 +1625,61 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
         assert fresh > 0.9 and "lr_below_base" not in found, found
 
 
+def test_an_index_after_the_labels_is_not_read_as_their_shares(tmp_path):
+    """A Dataset that returns (x, y, index), as many do for bookkeeping, handed to on_batch_end as the loader
+    gives it: batch_stats counts the batch's last tensor, here 32 distinct example indices, and the analyzer
+    compared those "classes" with the holdout's and warned of class_imbalance on a run that learns the
+    digits. Values the holdout's classes cannot take are no labels of its: no comparison, no finding."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    x, y, _ = standardized(load_digits, fit=1000)
+
+    class Indexed(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1000
+
+        def __getitem__(self, i):
+            return x[i], y[i], i
+
+    loader = torch.utils.data.DataLoader(Indexed(), batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[1000:1050], y[1000:1050]))
+    for epoch in range(5):
+        for i, (xb, yb, index) in enumerate(loader):
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb, index), loss=loss)
+            opt.zero_grad()
+    tel.close()
+    with torch.no_grad():
+        assert (model(x[1100:]).argmax(1) == y[1100:]).float().mean() > 0.9
+    run, found = codes(tmp_path)
+    assert max(int(k) for r in run.records for k in r["batch_stats"]["counts"]) >= 10   # the indices, counted
+    assert "class_imbalance" not in found, found["class_imbalance"].message
+
+
+def test_a_run_of_three_records_summarises_its_first_and_last_loss(tmp_path):
+    """A smoke run of 24 steps collected every 8: three records. The summary's train loss read "1.83 -> 1.83"
+    because both ends took the median of the same three losses; each end now takes at most half of them."""
+    from sklearn.datasets import load_digits
+
+    x, y, _ = standardized(load_digits, fit=1000)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    sampled_run(tmp_path, model, x[:1000], y[:1000], (x[1000:1050], y[1000:1050]), 24, 32, lr=1e-2)
+    run, _ = codes(tmp_path)
+    losses = [r["loss"] for r in run.records]
+    summary = at.summarize(run, at.diagnose(run))
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0]
+    assert (summary["loss_first"], summary["loss_last"]) == (pytest.approx(losses[0]), pytest.approx(losses[-1]))
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set
