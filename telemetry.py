@@ -4246,7 +4246,8 @@ class _ReferenceStore:
         if header_matches(header, named):
             step = metadata.get("step", "")
             return path, int(step) if step.isdigit() else None
-        self.warn(what, f"telemetry: {os.path.basename(path)} does not match the trainable parameters (this "
+        self.warn(what, f"telemetry: {os.path.basename(path)} holds other tensors than the trainable parameters "
+                        "now (a layer unfrozen or frozen, a parameter group added, a dtype or a shape changed; this "
                         f"rank's part of them, when sharded); {then}")
         return None, None
 
