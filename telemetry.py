@@ -2794,23 +2794,26 @@ class _AlertMonitor:
         if not _finite_number(norm):
             return
         cfg, history = self.config, self.history["grad"]
-        loss, losses = record.get("loss"), list(self.history["loss"])[:-1]  # _loss_spikes added this one
-        # Gradients that grow while the loss falls through its own noise band are a model starting to learn
-        # (leaving a plateau where its gradients were tiny), not a blow-up, which leaves the loss where it was
-        # or higher.
-        learning = _finite_number(loss) and len(losses) >= MIN_ALERT_HISTORY and robust_z(losses, loss) < -3
-        if len(history) >= MIN_ALERT_HISTORY and not learning:
+        if len(history) >= MIN_ALERT_HISTORY:
             median = statistics.median(history)
             z = robust_z(history, norm)
             # An explosion is a spike that is also an order of magnitude: late in training gradient norms
             # are heavy-tailed (one hard batch among fitted ones), and that alone is not one.
-            if z > cfg.alert_spike_threshold and norm > cfg.alert_explosion_factor * median > 0:
+            spike = z > cfg.alert_spike_threshold and not self._loss_falling(record)
+            if spike and norm > cfg.alert_explosion_factor * median > 0:
                 yield ("grad_explosion", "critical", f"gradient norm {norm:.4g} is {norm / median:.0f}x its "
                                                      f"rolling median {median:.4g}", None)
-            elif z > cfg.alert_spike_threshold and norm > SPIKE_MIN_RATIO * median:
+            elif spike and norm > SPIKE_MIN_RATIO * median:
                 yield ("grad_spike", "warning", f"gradient norm {norm:.4g} is {z:.1f} robust SDs above its "
                                                 f"rolling median {median:.4g}", None)
         history.append(norm)
+
+    def _loss_falling(self, record) -> bool:
+        """Whether this record's loss is 3 robust SDs below its rolling median: gradients that grow while the
+        loss falls through its own noise band are a model starting to learn (leaving a plateau where its
+        gradients were tiny), not a blow-up, which leaves the loss where it was or higher."""
+        loss, losses = record.get("loss"), list(self.history["loss"])[:-1]  # _loss_spikes added this one
+        return _finite_number(loss) and len(losses) >= MIN_ALERT_HISTORY and robust_z(losses, loss) < -3
 
     def _frozen_groups(self, record):
         moved = "weight_delta" if "weight_delta" in record else "update_ratio"
