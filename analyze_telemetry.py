@@ -2908,7 +2908,7 @@ def check_class_imbalance(run: Run) -> list:
         reasons.append(f"train batches are {', '.join(f'class {c}: {v:.1%}' for c, v in zip(labels, shares))} "
                        f"over {batches} batches (balanced would be {expected:.1%} each)")
     h = holdout_data(run)
-    apart = None
+    apart, untold = None, False
     # Values the holdout's classes cannot take are no labels of its: the batch's last tensor holds something
     # else (an (inputs, labels, index) batch's example indices), and comparing its shares says nothing.
     foreign = h is not None and h.kind == "classification" and bool(h.num_classes) and any(
@@ -2941,13 +2941,22 @@ def check_class_imbalance(run: Run) -> list:
             if not neglected[0]:
                 return []
             reasons.append(neglected[1])
+        else:   # the imbalance is a fact; whether it harms, the holdout cannot tell: a note
+            untold = True
+            reasons.append("the holdout holds too few examples of the rarer classes to tell whether the model "
+                           "neglects them" if h is not None and h.kind == "classification" else
+                           "no holdout tells whether the model neglects the rarer classes")
     if not reasons:
         return []
     # Only train shares far from the holdout's make the holdout look worse as the model learns them; an
     # imbalance the holdout shares says nothing about why the holdout is at chance or rising.
     hint = ("Rebalance with a WeightedRandomSampler or class weights in the loss, or check the sampler; make sure "
             "train and holdout come from the same distribution.")
-    severity = "warning"
+    severity = "info" if untold else "warning"
+    if untold:
+        hint = ("Where the loss already weighs the classes (CrossEntropyLoss(weight=...)) or the data is this uneven, "
+                "nothing is wrong; a holdout with more examples of the rarer classes tells whether the model "
+                "neglects them. Else rebalance with a WeightedRandomSampler or class weights, or check the sampler.")
     if apart and len(reasons) == 1:   # batches balanced enough, a holdout of other shares: not the sampler
         hint = ("Split the holdout off the training data at random (data sorted or grouped by class, or a holdout "
                 "from another source, gives other shares); its accuracy and loss weigh the classes otherwise.")
@@ -3328,7 +3337,8 @@ FINDINGS = {
                          "mean square over 10), and the run blows up, stalls or ends no better than their mean"),
     "class_imbalance": (("info", "warning"), "analyzer", "the batches' label shares are far from even, or from "
                         "the holdout's (a note where the batches are balanced and the holdout is not, as a sampler "
-                        "that rebalances the classes makes them)"),
+                        "that rebalances the classes makes them, or where no holdout tells whether the rarer "
+                        "classes are neglected)"),
     "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights (the gradients of steps a "
                                          "GradScaler skipped only when it skips most)"),
     "loss_diverging": (("warning",), "analyzer", "the training loss grows over the run"),
