@@ -2260,7 +2260,8 @@ def _classification_at_chance(h: Holdout):
     shares = _label_shares(h)
     prior, majority = float(-(shares * np.log(shares)).sum()), float(shares.max())
     loss = _late(h, h.loss)
-    by_loss = loss is not None and loss[0] >= prior - 2 * _loss_se(h) and acc <= majority + 2 * _sigma(majority, n)
+    by_loss = loss is not None and loss[0] >= prior - 2 * _loss_se(h) and acc <= majority + 2 * _sigma(majority, n) \
+        and not _recalls_above_chance(h)
     single = [p for p in h.predictions_last if isinstance(p, list) and p]
     one_class = len(single) >= 2 and all(len(set(p)) == 1 for p in single) and len({p[0] for p in single}) == 1
     where = f"over the last quarter of the run (steps {a}-{b})"
@@ -2282,6 +2283,23 @@ def _classification_at_chance(h: Holdout):
         why += (f"; the holdout loss is {_fmt(loss[0])}, against {_fmt(prior)} for a model that predicts only the "
                 "label shares")
     return why, [a, b], acc < chance - band and not one_class
+
+
+def _recalls_above_chance(h: Holdout) -> bool:
+    """Whether the holdout's balanced accuracy (the mean over its classes of the share of their examples
+    recognised, over the last quarter of its evaluations) is over chance (1/classes) by 2 sigmas of chance's
+    own spread. A model trained on rebalanced batches can score under the most common class's share on an
+    uneven holdout while it recognises every class: always predicting that class scores 1/classes here."""
+    if h.correct is None or h.labels is None or h.correct.shape[0] != len(h.labels) or not h.correct.shape[1]:
+        return False
+    right = h.correct[:, -max(3, h.correct.shape[1] // 4):].astype(float).mean(axis=1)
+    k = int(h.num_classes)
+    sizes = [int((h.labels == c).sum()) for c in range(k)]
+    recalls = [float(right[h.labels == c].mean()) for c, size in zip(range(k), sizes) if size]
+    if len(recalls) < 2:
+        return False
+    spread = math.sqrt(sum((1 / k) * (1 - 1 / k) / size for size in sizes if size)) / len(recalls)
+    return float(np.mean(recalls)) > 1 / k + 2 * spread
 
 
 CHANCE_R2 = 0.1   # the most of the mean's error (as R^2) a regression at chance may explain, whatever the noise

@@ -1460,26 +1460,30 @@ def test_a_few_dozen_counted_labels_are_no_class_imbalance(tmp_path):
     assert not alarms, alarms
 
 
-def test_batches_rebalanced_by_a_sampler_are_no_alarm(tmp_path):
+@pytest.mark.parametrize("seed", [0, 3, 4, 6])
+def test_batches_rebalanced_by_a_sampler_are_no_alarm(tmp_path, seed):
     """Breast cancer with the malignant class thinned to about a sixth everywhere, trained on batches that a
     WeightedRandomSampler balances (what class_imbalance's own hint recommends), scored on a holdout and a
     fresh test set of the data's shares: the fresh balanced accuracy is over 0.9. The analyzer warned that the
     train batches' shares are not the holdout's and hinted at splitting the holdout off at random, which it
     was. Batches as balanced as chance allows against an uneven holdout are now a note (info) that names the
-    sampler; the test above, of a split that was not at random, keeps its hint in the note."""
+    sampler; the test above, of a split that was not at random, keeps its hint in the note. On three of these
+    splits the holdout accuracy also fell under the most common class's share (the model trades a little of
+    the common class for all of the rare one), and holdout_at_chance said it was no better than that; the
+    holdout's balanced accuracy, far over chance, now tells it apart from a model that knows nothing."""
     from sklearn.datasets import load_breast_cancer
     from telemetry import TrainingTelemetry
 
     x, y, _ = standardized(load_breast_cancer, fit=400)
-    keep = (y == 1) | torch.tensor(np.random.RandomState(1).rand(len(y)) < 1 / 6)
+    keep = (y == 1) | torch.tensor(np.random.RandomState(seed).rand(len(y)) < 1 / 6)
     x, y = x[keep], y[keep]
     (xt, yt), hold, (xf, yf) = (x[:250], y[:250]), (x[250:300], y[250:300]), (x[300:], y[300:])
     weights = (1.0 / torch.bincount(yt).double())[yt]
-    sampler = torch.utils.data.WeightedRandomSampler(weights, len(yt), generator=torch.Generator().manual_seed(0))
+    sampler = torch.utils.data.WeightedRandomSampler(weights, len(yt), generator=torch.Generator().manual_seed(seed))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt, yt), batch_size=16, sampler=sampler)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=5e-4)
     tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=2)
     tel.set_holdout_data(hold)
     for epoch in range(15):
