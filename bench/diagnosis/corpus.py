@@ -71,6 +71,10 @@ PROBLEMS: Dict[str, tuple] = {
     "over_clipped": ({"gradients_clipped"}, {"gradients_clipped"}),
     # weight_decay added to every gradient, far above the usual: the weights collapse toward 0
     "weight_decay": ({"weights_collapsed"}, {"weights_collapsed"}),
+    # a warmup counted in steps but stepped per epoch: the lr never leaves its first few thousandths
+    "warmup_per_epoch": ({"lr_below_base"}, {"lr_below_base"}),
+    # the optimizer holds the first instance of the model; the one trained is in no group
+    "stale_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
 }
 
 
@@ -110,8 +114,10 @@ def diabetes(**knobs) -> Dict[str, Any]:
 
 # The corpus: one line per run, each trained once per seed. lr is the base lr; groups="named" puts the
 # backbone at 1x and the head at 10x it, in optimizer groups named "backbone" and "head"; format is the
-# batch type ("tuple" by default, or "dict"); steps are optimizer steps; raw keeps the features unscaled,
-# raw_target a regression's target, and input_norm puts a BatchNorm1d on the inputs first.
+# batch type ("tuple" by default, "dict", or "indexed": (x, y, example index)); steps are optimizer steps; raw
+# keeps the features unscaled, raw_target a regression's target, and input_norm puts a BatchNorm1d on the
+# inputs first; thin_class0=n keeps one class-0 example in n in every split, sampler="balanced" draws
+# batches by WeightedRandomSampler at 1/class count; ordinal fits the class indices with one output by MSE.
 SPECS: List[Spec] = [
     # problem  name                                     workload      knobs
     # -- healthy, clean data --------------------------------------------------------------------------------
@@ -126,6 +132,9 @@ SPECS: List[Spec] = [
                                                                                 input_norm=True)),
     S("healthy", "gru-charlm-adamw-dict",               "char_lm",    lr=5e-3, batch=16, steps=150),
     S("healthy", "lora-llama-trainer",                  "lora",       lr=5e-3, batch=16, steps=120),
+    S("healthy", "mlp-digits-index-batches-adam",       "classifier", **digits(opt="adam", lr=1e-3, format="indexed")),
+    S("healthy", "mlp-wine-ordinal-mse-adam",           "classifier", data="wine", arch="mlp", hidden=[32], batch=16,
+                                                                      steps=400, opt="adam", lr=1e-3, ordinal=True),
     # -- healthy but noisy: where false alarms come from ---------------------------------------------------
     S("healthy", "mlp-digits-35pct-noisy-labels",       "classifier", **digits(opt="adamw", lr=1e-3, steps=600,
                                                                                 label_noise=0.35)),
@@ -137,6 +146,12 @@ SPECS: List[Spec] = [
     S("healthy", "mlp-digits-batch4-sgd-cosine",        "classifier", **digits(opt="sgd", lr=0.02, batch=4,
                                                                                 steps=1200, schedule="cosine",
                                                                                 collect_every_n=10)),
+    # 800 examples seen once: it stops short of the linear model fitted on all 1000, hence the 0.1 margin
+    S("healthy", "mlp-digits-batch-of-one-adam",        "classifier", **digits(opt="adam", lr=2e-3, batch=1, steps=800,
+                                                                                collect_every_n=20, margin=0.1)),
+    S("healthy", "mlp-breast-cancer-rebalanced-sampler-adam-dict", "classifier", **cancer(opt="adam", lr=5e-4,
+                                                                                           thin_class0=6,
+                                                                                           sampler="balanced")),
     # -- one planted problem each ----------------------------------------------------------------------------
     S("frozen", "mlp-digits-adam-groups",               "classifier", **digits(opt="adam", lr=1e-3, groups="named")),
     S("lr_zero", "cnn-digits-sgd-groups-dict",          "classifier", **digits(arch="cnn", opt="sgd", lr=0.01,
@@ -205,6 +220,9 @@ SPECS: List[Spec] = [
     S("weight_decay", "mlp-digits-sgd-wd0.1",           "classifier", **digits(opt="sgd", lr=0.01, weight_decay=0.1)),
     S("weight_decay", "mlp-digits-adam-wd0.1-dict",     "classifier", **digits(opt="adam", lr=1e-3, weight_decay=0.1,
                                                                                 format="dict")),
+    S("warmup_per_epoch", "mlp-digits-adam-warmup2000", "classifier", **digits(opt="adam", lr=1e-3, schedule="warmup",
+                                                                                warmup=2000)),
+    S("stale_optimizer", "mlp-digits-adam-model-built-again", "classifier", **digits(opt="adam", lr=1e-3)),
 ]
 
 

@@ -45,7 +45,7 @@ def _sklearn(name: str):
     from sklearn import datasets
 
     loaded = {"digits": datasets.load_digits, "breast_cancer": datasets.load_breast_cancer,
-              "diabetes": datasets.load_diabetes}[name]()
+              "diabetes": datasets.load_diabetes, "wine": datasets.load_wine}[name]()
     return loaded.data.astype(np.float32), loaded.target
 
 
@@ -53,6 +53,7 @@ SPLITS = {  # (train, holdout given to telemetry); the test set is everything el
     "digits": (1000, 100),        # 1797 examples: test 697
     "breast_cancer": (300, 60),   # 569: test 209
     "diabetes": (250, 50),        # 442: test 142
+    "wine": (100, 30),            # 178 (3 classes): test 48
 }
 
 
@@ -63,13 +64,17 @@ class Split:
     num_classes: int  # 0 for regression
 
 
-def load_split(name: str, seed: int, raw: bool = False, raw_target: bool = False) -> Split:
+def load_split(name: str, seed: int, raw: bool = False, raw_target: bool = False, thin_class0: int = 0) -> Split:
     """Train / holdout / test, shuffled by the run's random seed; features (and a regression's target)
-    standardised with train statistics unless `raw` (`raw_target`): the unscaled-inputs (-targets) plants."""
+    standardised with train statistics unless `raw` (`raw_target`): the unscaled-inputs (-targets) plants.
+    `thin_class0` = n keeps one class-0 example in n in every part alike: a rare class, not a shifted one."""
     data, target = _sklearn(name)
     n_train, n_hold = SPLITS[name]
     order = np.random.RandomState(1000 + seed).permutation(len(data))
     parts = {"train": order[:n_train], "holdout": order[n_train:n_train + n_hold], "test": order[n_train + n_hold:]}
+    if thin_class0:  # the 1st, (n+1)th, ... class-0 example of each part, in the shuffled order
+        rare = {k: (np.cumsum(target[v] == 0) - 1) % thin_class0 == 0 for k, v in parts.items()}
+        parts = {k: v[(target[v] != 0) | rare[k]] for k, v in parts.items()}
     if name == "digits":
         data = data / 16.0  # pixel intensities 0..16; kept non-negative (the dead-ReLU plant relies on it)
     elif not raw:
@@ -204,6 +209,14 @@ def _order(n: int, rng: np.random.RandomState, spec: Dict[str, Any], y: np.ndarr
         while True:
             from_major = rng.rand(bs) < spec.get("major_share", 0.88)
             yield np.where(from_major, rng.choice(major, bs), rng.choice(rest, bs))
+    if spec.get("sampler") == "balanced":  # WeightedRandomSampler, weights 1/class count: balanced batches
+        weights = torch.from_numpy(1.0 / np.bincount(y)[y])
+        generator = torch.Generator().manual_seed(int(rng.randint(2 ** 31)))
+        sampler = torch.utils.data.WeightedRandomSampler(weights, n - n % bs, generator=generator)  # an epoch each
+        while True:
+            drawn = np.array(list(sampler))
+            for s in range(0, len(drawn), bs):
+                yield drawn[s:s + bs]
     if plant == "unshuffled":  # sorted by class, never shuffled: each batch holds one or two classes
         order = np.argsort(y, kind="stable")
         while True:
@@ -220,7 +233,11 @@ def _order(n: int, rng: np.random.RandomState, spec: Dict[str, Any], y: np.ndarr
                 yield order[s:s + bs]
 
 
-def _as_batch(x: torch.Tensor, y: torch.Tensor, fmt: str, label_key: str = "label"):
+def _as_batch(x: torch.Tensor, y: torch.Tensor, fmt: str, label_key: str, idx: np.ndarray):
+    """`fmt` "indexed": (x, y, index), what a loader yields over a Dataset that returns each example's index
+    third (`idx`: the examples' positions in their split)."""
+    if fmt == "indexed":
+        return x, y, torch.from_numpy(idx)
     return {"pixels": x, label_key: y} if fmt == "dict" else (x, y)
 
 
@@ -245,6 +262,7 @@ class Trace:
     train_acc: List[float] = field(default_factory=list)
     grad_ids: set = field(default_factory=set)
     pre_clip_norms: List[float] = field(default_factory=list)
+    lrs: List[float] = field(default_factory=list)
 
 
 def plant_labels(y: torch.Tensor, spec: Dict[str, Any], k: int, rng: np.random.RandomState) -> torch.Tensor:
@@ -267,7 +285,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, regression: boo
     with torch.no_grad():
         out = model(x)
         if regression:
-            out = out.reshape(-1)
+            out, y = out.reshape(-1), y.float()
             loss = F.mse_loss(out, y).item()
             metric = 1.0 - loss / float(((y - y.mean()) ** 2).mean())
         else:
@@ -291,10 +309,12 @@ def init_plants(model: nn.Module, spec: Dict[str, Any]) -> None:
 def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
     torch.manual_seed(seed)
     rng = np.random.RandomState(seed)
-    data = load_split(spec["data"], seed, raw=spec.get("raw", False), raw_target=spec.get("raw_target", False))
+    data = load_split(spec["data"], seed, raw=spec.get("raw", False), raw_target=spec.get("raw_target", False),
+                      thin_class0=spec.get("thin_class0", 0))
     if spec.get("plant") == "constant_inputs":  # the pipeline's bug: the digits' 0-16 pixels floor-divided by 255
         data.x = {k: torch.div(v * 16, 255, rounding_mode="floor") for k, v in data.x.items()}
-    regression = data.num_classes == 0
+    # `ordinal`: the class indices kept as integer labels, fitted by one output under MSE, as a regression
+    regression = data.num_classes == 0 or spec.get("ordinal", False)
     k = data.num_classes
     x_train = data.x["train"]
     y_train = plant_labels(data.y["train"], spec, k, rng) if not regression else data.y["train"]
@@ -307,10 +327,15 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
     start = _snapshot(model)
     optimizer = make_optimizer(model, spec)
     plant = spec.get("plant")
+    if plant == "stale_optimizer":  # the bug: the model created again after the optimizer; this one is trained
+        model = build_model(spec, x_train.shape[1], 1 if regression else k)
+        start = _snapshot(model)
     scheduler = None
     if spec.get("schedule") == "cosine":  # cosine decay to 10% of each group's lr over the run
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, spec["steps"]) / spec["steps"])))
+    if spec.get("schedule") == "warmup":  # linear warmup over `warmup` optimizer steps, then the base lr
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / spec["warmup"]))
     if plant == "frozen":  # frozen after the optimizer was built: its group keeps lr > 0
         model.backbone.requires_grad_(False)
 
@@ -325,9 +350,13 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
         held = load_split(spec["data"], seed, raw=True).x["holdout"]
     if plant == "holdout_leak":  # the bug: the holdout taken from the training examples, the split forgotten
         held, held_y = x_train[:len(held_y)], y_train[:len(held_y)]
-    telemetry.set_holdout_data(_as_batch(held, held_y, fmt, label_key))
+    holdout = _as_batch(held, held_y, fmt, label_key, np.arange(len(held_y)))
+    if fmt == "indexed":  # told how: by default an (inputs..., labels) batch would run model(x, y) against the index
+        telemetry.set_holdout_data(holdout, forward=lambda m, b: m(b[0]), labels=lambda b: b[1])
+    else:
+        telemetry.set_holdout_data(holdout)
 
-    loss_fn = (lambda out, y: F.mse_loss(out.reshape(-1), y)) if regression else _classification_loss
+    loss_fn = (lambda out, y: F.mse_loss(out.squeeze(-1), y.float())) if regression else _classification_loss
     if plant == "negative_loss":  # the bug: NLLLoss on raw outputs, which expects log-probabilities
         loss_fn = F.nll_loss
     batches = _order(len(y_train), rng, spec, y_train.numpy())
@@ -346,7 +375,7 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
             xb[0, 0] = float("nan")  # one NaN feature in one batch
         if plant == "bad_batch" and step == bad_step:
             xb = xb * 1000.0  # one batch with inputs scaled x1000 (a unit mix-up), then back to normal
-        batch = _as_batch(xb, yb, fmt, label_key)
+        batch = _as_batch(xb, yb, fmt, label_key, idx)
         _count_batch(trace, idx, yb, regression)
         out = model(_inputs(batch))
         loss = loss_fn(out, yb)
@@ -354,7 +383,9 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
         if spec.get("clip"):  # clip_grad_norm_ at max_norm `clip`; it returns the norm before clipping
             trace.pre_clip_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])))
         optimizer.step()
-        if scheduler is not None:
+        trace.lrs.append(optimizer.param_groups[0]["lr"])
+        # the warmup_per_epoch plant: the warmup counts optimizer steps, but the loop steps it once per epoch
+        if scheduler is not None and (plant != "warmup_per_epoch" or step % per_epoch == 0):
             scheduler.step()
         if plant == "zero_grad_before_hook":
             optimizer.zero_grad()  # the bug: gradients cleared between step() and the hook
@@ -436,6 +467,39 @@ def _healthy(ctx) -> Verdict:
                     "test_loss_curve": [round(v, 4) for v in t.test_loss]})
 
 
+def _healthy_balanced(ctx) -> Verdict:
+    """Healthy with a rare class: balanced accuracy (the mean of the classes' recalls) on the test set, which
+    keeps the rare class as rare, above 0.9, and the test loss at the end within 20% of its best."""
+    x, y = ctx["data"].x["test"], ctx["data"].y["test"]
+    with torch.no_grad():
+        pred = _predicted(ctx["model"].eval()(x))
+    recalls = [float((pred[y == c] == c).float().mean()) for c in range(ctx["data"].num_classes)]
+    balanced = float(np.mean(recalls))
+    end, best = test_loss_rise(ctx["trace"].test_loss)
+    ok = balanced > 0.9 and end <= 1.2 * best
+    return Verdict(ok, f"test balanced acc {balanced:.3f}",
+                   f"test balanced accuracy {balanced:.3f} (needs > 0.9; recall per class "
+                   f"{', '.join(f'{r:.3f}' for r in recalls)}, class counts {np.bincount(y.numpy()).tolist()}); test "
+                   f"loss at the end {end:.3f} vs best {best:.3f} (needs <= 1.2x)",
+                   {"test_metric": balanced, "test_loss_end": end, "test_loss_best": best,
+                    "test_loss_curve": [round(v, 4) for v in ctx["trace"].test_loss]})
+
+
+def _healthy_ordinal(ctx) -> Verdict:
+    """Healthy for class indices fitted by MSE: the test MSE at the end (median of the last 3 evaluations)
+    under a quarter of the test labels' variance (what predicting their mean scores), and not rising."""
+    t = ctx["trace"]
+    var = float(ctx["data"].y["test"].float().var(unbiased=False))
+    end, best = test_loss_rise(t.test_loss)
+    mse = float(np.median(t.test_loss[-3:]))
+    ok = mse < 0.25 * var and end <= 1.2 * best
+    return Verdict(ok, f"test MSE {mse:.3f} vs var {var:.3f}",
+                   f"test MSE {mse:.3f} against the test labels' variance {var:.3f} (needs < a quarter); test loss "
+                   f"at the end {end:.3f} vs best {best:.3f} (needs <= 1.2x)",
+                   {"test_metric": mse, "test_loss_end": end, "test_loss_best": best,
+                    "test_loss_curve": [round(v, 4) for v in t.test_loss]})
+
+
 def _chance_band(k: int, n: int) -> float:
     return 1.0 / k + 3 * math.sqrt((1.0 / k) * (1 - 1.0 / k) / n)
 
@@ -444,7 +508,9 @@ def verify_classifier(ctx) -> Verdict:
     spec, t, model, start = ctx["spec"], ctx["trace"], ctx["model"], ctx["start"]
     plant = spec.get("plant")
     if plant is None:
-        return _healthy(ctx)
+        if spec.get("thin_class0"):
+            return _healthy_balanced(ctx)
+        return _healthy_ordinal(ctx) if spec.get("ordinal") else _healthy(ctx)
     acc = t.test_metric[-1]
     if plant in ("frozen", "lr_zero"):
         frozen = _identical(model.backbone, {k[len("backbone."):]: v for k, v in start.items()
@@ -514,6 +580,17 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(ok, f"loss {change:+.2%}",
                        f"train loss median {first:.4f} over the first 20 steps, {last:.4f} over the last 20 "
                        f"({change:+.2%}; needs |change| < 1%); test acc {acc:.3f}")
+    if plant == "warmup_per_epoch":  # the lr never left the warmup's start, and the model at chance
+        band = _chance_band(ctx["data"].num_classes, len(ctx["data"].y["test"]))
+        peak = max(t.lrs)
+        return Verdict(acc <= band, f"lr peak {peak:.1e}, test acc {acc:.3f}",
+                       f"test acc {acc:.3f} (needs <= {band:.3f}: chance + 3 binomial sigmas); the lr peaked at "
+                       f"{peak:.2e}, {peak / spec['lr']:.2%} of the optimizer's {spec['lr']:g}")
+    if plant == "stale_optimizer":  # the optimizer steps the first instance: the trained one never changes
+        same = _identical(model, start)
+        return Verdict(same, f"weights bit-identical={same}, test acc {acc:.3f}",
+                       f"the trained model's weights bit-identical to the copy taken when it was created: {same} "
+                       f"(needs True); test acc {acc:.3f}")
     if plant == "class_imbalance":
         total = sum(t.label_counts.values())
         share = t.label_counts.get(0, 0) / total
