@@ -1530,7 +1530,7 @@ def _chance_losses(run: Run):
     h = holdout_data(run)
     if h and h.kind == "regression":   # an untrained regressor predicts ~0, not the mean: no untrained level
         targets = _last_targets(h)
-        return None, (float(np.var(targets)) if len(targets) >= 5 else None)
+        return None, (_mean_variance(targets) if len(targets) >= 5 else None)
     if not (h and h.kind == "classification" and h.num_classes and h.num_classes >= 2):
         return None, None
     bc = _batch_counts(run)
@@ -2305,9 +2305,30 @@ def _recalls_above_chance(h: Holdout) -> bool:
 CHANCE_R2 = 0.1   # the most of the mean's error (as R^2) a regression at chance may explain, whatever the noise
 
 
+def _last_columns(h: Holdout, key: str) -> np.ndarray:
+    """A regression holdout's last `key` ("targets", "predictions") as [examples, outputs] (one column for a
+    single output, whose records hold a flat list), or an empty [0, 1] where the records hold none or a
+    ragged one."""
+    values = h.raw[-1].get(key) if h.raw else None
+    if not isinstance(values, list) or not values:
+        return np.zeros((0, 1))
+    rows = [v if isinstance(v, list) else [v] for v in values]
+    if len({len(r) for r in rows}) != 1:
+        return np.zeros((0, 1))
+    return np.array([[_num(v) for v in r] for r in rows], dtype=float).reshape(len(rows), -1)
+
+
 def _last_targets(h: Holdout) -> np.ndarray:
-    """The finite targets of a regression holdout's last evaluation (empty where it has none)."""
-    return _finite(np.array([_num(v) for v in (h.raw[-1].get("targets") or [])])) if h.raw else np.array([])
+    """The targets of a regression holdout's last evaluation, [examples, outputs], the examples with a
+    non-finite one left out (empty where it has none)."""
+    targets = _last_columns(h, "targets")
+    return targets[np.isfinite(targets).all(axis=1)]
+
+
+def _mean_variance(targets: np.ndarray) -> float:
+    """The mean squared error of predicting each output's mean: the mean over outputs of their variances (the
+    holdout's loss averages the squared errors over an example's outputs too)."""
+    return float(np.var(targets, axis=0).mean())
 
 
 def _regression_at_chance(h: Holdout):
@@ -2321,7 +2342,7 @@ def _regression_at_chance(h: Holdout):
     if late is None or len(targets) < 5:
         return None
     mse, a, b = late
-    var = float(np.var(targets))
+    var = _mean_variance(targets)
     if not var > 0 or mse < var - min(2 * _loss_se(h), CHANCE_R2 * var):
         return None
     return (f"the holdout mean squared error is {_fmt(mse)} over the last quarter of the run (steps {a}-{b}), no "
@@ -2397,16 +2418,17 @@ FLAT_MEAN = 0.25
 
 
 def _prediction_spread(h: Holdout):
-    """(standard deviation of the predictions, of the targets, mean prediction minus mean target) at the
-    holdout's last evaluation; None when it has not both for 5 or more examples."""
-    if not h.raw:
+    """(standard deviation of the predictions, of the targets, |mean prediction - mean target|) at the holdout's
+    last evaluation, each per output and averaged over them; None when it has not both for 5 or more examples."""
+    pred, targets = _last_columns(h, "predictions"), _last_columns(h, "targets")
+    if pred.shape != targets.shape:
         return None
-    pred, targets = (np.array([_num(v) for v in (h.raw[-1].get(k) or [])]) if isinstance(h.raw[-1].get(k), list)
-                     else np.array([]) for k in ("predictions", "targets"))
-    ok = np.isfinite(pred) & np.isfinite(targets) if len(pred) == len(targets) else np.zeros(0, dtype=bool)
+    ok = (np.isfinite(pred) & np.isfinite(targets)).all(axis=1)
     if ok.sum() < 5:
         return None
-    return float(np.std(pred[ok])), float(np.std(targets[ok])), float(np.mean(pred[ok]) - np.mean(targets[ok]))
+    pred, targets = pred[ok], targets[ok]   # per output, then averaged: the outputs' means differ
+    return (float(np.std(pred, axis=0).mean()), float(np.std(targets, axis=0).mean()),
+            float(np.abs(pred.mean(axis=0) - targets.mean(axis=0)).mean()))
 
 
 def _train_improved(run: Run, since_step: float):

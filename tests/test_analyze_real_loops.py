@@ -1706,6 +1706,40 @@ def test_class_weights_on_uneven_data_are_no_alarm(tmp_path, holdout):
     assert not [f.code for f in found.values() if f.severity != "info"], found
 
 
+@pytest.mark.parametrize("shuffled", [True, False])
+def test_a_regression_of_two_targets_at_chance_is_named(tmp_path, shuffled):
+    """Diabetes with two standardised targets (the disease progression and the s5 serum column, dropped from
+    the inputs), one output each. With the training targets shuffled against the inputs the model learns
+    nothing (R^2 near 0 on fresh examples), and the analyzer said nothing: it read each [outputs] row of the
+    holdout's targets as a number, found none, and never compared the MSE with predicting the targets' means.
+    Now it does, per output: holdout_at_chance, with that baseline the mean of the two targets' variances
+    (checked with numpy). The same loop on aligned targets fits (R^2 over 0.3) and is not told."""
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    y = np.stack([y, x[:, 8]], 1)
+    x = np.delete(x, 8, 1)
+    order = np.random.RandomState(0).permutation(len(y))
+    x, y = x[order], y[order]
+    x = (x - x[:300].mean(0)) / x[:300].std(0)
+    y = (y - y[:300].mean(0)) / y[:300].std(0)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
+    train_y = y[:300][torch.randperm(300, generator=torch.Generator().manual_seed(1))] if shuffled else y[:300]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(9, 64), nn.ReLU(), nn.Linear(64, 2))
+    sampled_run(tmp_path, model, x[:300], train_y, (x[300:350], y[300:350]), 400, 32, lr=3e-3, loss_fn=F.mse_loss)
+    with torch.no_grad():
+        fresh = 1 - F.mse_loss(model(x[350:]), y[350:]) / y[350:].var(0, unbiased=False).mean()
+    run, found = codes(tmp_path)
+    if shuffled:
+        assert fresh < 0.1   # the most of the mean's error a model at chance explains (CHANCE_R2)
+        chance = found["holdout_at_chance"]
+        baseline = float(np.var(y[300:350].numpy().astype(np.float64), axis=0).mean())
+        assert f"the {at._fmt(baseline)} of always predicting the targets' mean" in chance.message
+    else:
+        assert fresh > 0.3 and not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set
