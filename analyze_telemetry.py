@@ -3307,7 +3307,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # under it, not beside it.
 STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
-     "lora_not_learning", "lr_zero", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs", "unscaled_inputs",
+     "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs", "unscaled_inputs",
      "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
      "gradients_clipped", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
@@ -3418,11 +3418,12 @@ CONSEQUENCES = {
     "gradients_never_zeroed": _AFTER_A_BLOWUP,
     "missing_gradients": ("frozen_group", "exploding_gradients", "vanishing_gradients"),
     "frozen_parameters": _UNTRAINED_PART,
-    # one group at lr 0 leaves the others to learn; every group at lr 0 (no group named) moves nothing
-    "lr_zero": _UNTRAINED_PART + ("not_learning",),
+    # one group at lr 0 leaves the others to learn; every group at lr 0 (no group named) moves nothing; a LoRA
+    # adapter's B at lr 0 stays at its zero start
+    "lr_zero": _UNTRAINED_PART + ("not_learning", "lora_not_learning"),
     # a LoRA adapter that does not learn while some tensors are in no optimizer group: they are its own
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
-    "lora_not_learning": ("lr_zero", "frozen_group", "not_learning", "loss_stalled"),
+    "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # no dropout: nothing holds back memorising the train set
     "eval_mode": ("overfitting", "forgetting"),

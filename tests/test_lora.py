@@ -295,6 +295,31 @@ def test_adapter_left_out_of_the_optimizer_shows_zero_B_and_zero_delta(tmp_path)
     assert outside == [n for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
 
 
+def test_an_optimizer_at_lr_0_is_the_cause_of_an_adapter_that_stays_at_zero(tmp_path):
+    """peft LoRA trained with AdamW at lr 0: B stays at its zero start, and with it A's gradient. The analyzer
+    led with lora_not_learning and, under it, "group 'lora_A' does not train while the other groups do",
+    which no group did; lr_zero came second. A learning rate of 0 for every group is the cause: lr_zero
+    leads, with the adapter that stays at zero under it."""
+    import analyze_telemetry as at
+
+    model = lora_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    tele = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=2))
+    for step in range(1, 41):
+        batch = lm_batch(step)
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        tele.on_batch_end(model, optimizer, step, 0, batch=batch, loss=loss)
+        optimizer.zero_grad()
+    tele.close()
+    assert all(float(p.abs().max()) == 0 for n, p in model.named_parameters() if ".lora_B." in n)
+    found = at.diagnose(at.load_run(tmp_path, progress=False))
+    assert found[0].code == "lr_zero" and "every group" in found[0].message, [(f.code, f.message) for f in found]
+    assert "lora_not_learning" in {c.code for c in at.every_finding(found[0].consequences)}
+    assert "frozen_group" not in {f.code for f in found}
+
+
 def test_lora_groups_partition_beside_optimizer_groups(tmp_path):
     model = lora_model(modules_to_save=["lm_head"])
     named = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)

@@ -58,7 +58,7 @@ PROBLEMS: Dict[str, tuple] = {
     "repeated_batch": ({"repeated_batches"}, {"repeated_batches"}),
     "unshuffled": ({"unshuffled_batches"}, {"unshuffled_batches"}),
     "zero_grad_before_hook": ({"missing_gradients"}, {"missing_gradients"}),
-    "lora_lr_zero": ({"lora_not_learning", "lr_zero"}, {"lora_not_learning"}),
+    "lora_lr_zero": ({"lora_not_learning", "lr_zero"}, {"lr_zero", "lora_not_learning"}),
     "not_in_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
     "labels_not_shifted": ({"labels_not_shifted"}, {"labels_not_shifted"}),
     # a text shuffled token by token: only the tokens' frequencies are left to learn
