@@ -5059,7 +5059,9 @@ class TrainingTelemetry:
         self._ranks: Any = _Replicated(*_rank_and_world(), "none")
         self._ranks_key: Any = None
         self._off = False  # the ranks disagree: telemetry is off on every rank
-        self._silent_warn_step = 10 * config.collect_every_n  # warn if nothing was collected by then
+        # The step by which nothing collected is warned about: 10 * collect_every_n steps after the first this
+        # process sees (a Trainer resumed from a checkpoint starts at its global step); -1 once one collected.
+        self._silent_warn_step: Optional[int] = None
         self._closed = False
         self._hf_callback = None
         self._files: Optional[_RunFiles] = None
@@ -5143,12 +5145,15 @@ class TrainingTelemetry:
                                       "a step (micro-batches of gradient accumulation are skipped): call it after "
                                       "optimizer.step(), with that optimizer.")
             return None
+        if self._silent_warn_step is None:
+            self._silent_warn_step = self.step + 10 * self.config.collect_every_n
         self.step += taken
         if self._active() and self._reference.initial_pending:
             self._capture_initial(_unwrap_model(model), optimizer)
         if not self._schedule.take_due(batch_idx) or not self._active():
             if 0 < self._silent_warn_step <= self.step and self._active():
-                self._warn("silent", f"telemetry: nothing collected in {self.step} steps: batch_idx never reached a "
+                here = self.step - self._silent_warn_step + 10 * self.config.collect_every_n
+                self._warn("silent", f"telemetry: nothing collected in {here} steps: batch_idx never reached a "
                                      f"multiple of collect_every_n={self.config.collect_every_n}. Epochs shorter "
                                      "than that restart batch_idx before it gets there; lower collect_every_n.")
             return None

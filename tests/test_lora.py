@@ -2,6 +2,7 @@
 copy of the model, dense SVDs, HF's own causal-LM loss and the HF Trainer's own logged grad_norm and loss."""
 
 import copy
+import gc
 import json
 import math
 import os
@@ -513,6 +514,41 @@ def test_trainer_counts_optimizer_steps_under_gradient_accumulation(tmp_path):
         assert r["batch_stats"]["batch_size"] == 4  # the step's last micro-batch
         # each record's loss covers its own 2 micro-batches; the Trainer logs the mean of 2 optimizer steps
         assert rel((before["loss"] + r["loss"]) / 2, logged[r["step"]]["loss"]) < 1e-5
+
+
+def test_a_trainer_resumed_from_a_checkpoint_is_not_told_that_nothing_was_collected(tmp_path):
+    """The Trainer saves at step 20, the run stops at step 30 (the process dies), and a new process resumes
+    from checkpoint-20 into the same run directory, collecting every 2 steps. Telemetry warned "nothing
+    collected in 21 steps" at the resumed run's first step that does not collect: its threshold was an
+    absolute step (10 x collect_every_n), and the resumed count starts at 20. It counts from the first step
+    this process sees; the records after the resume carry on at every second step."""
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 30:
+                raise KeyboardInterrupt   # the process dies here; what was saved stays
+
+    def trainer(model, tele, callbacks):
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=40,
+                                 learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="steps",
+                                 save_steps=20, disable_tqdm=True, seed=0)
+        t = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[tele.hf_callback(), *callbacks])
+        t.remove_callback(PrinterCallback)
+        return t
+
+    config = dict(output_dir=str(tmp_path / "run"), collect_every_n=2)
+    first = TrainingTelemetry(TelemetryConfig(**config))
+    with pytest.raises(KeyboardInterrupt):
+        trainer(lora_model(), first, [Stop()]).train()
+    del first   # as if its process had died: the run directory is free again
+    gc.collect()
+    tele = TrainingTelemetry(TelemetryConfig(**config))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer(lora_model(), tele, []).train(resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-20"))
+        tele.close()
+    assert not [str(w.message) for w in seen if "nothing collected" in str(w.message)]
+    steps = [r["step"] for r in read_records(str(tmp_path / "run"))]
+    assert steps[-10:] == list(range(22, 41, 2))
 
 
 def test_hf_callback_is_one_trainer_callback():
