@@ -3385,8 +3385,8 @@ FINDINGS = {
     "loss_spike": (("warning",), "both", "the loss jumps far outside its rolling noise band"),
     "exploding_gradients": (("warning",), "analyzer", "the gradient norm jumps to many times its median, or "
                             "grows 10x, while the loss does not fall through it"),
-    "grad_spike": (("warning",), "telemetry", "alert: the gradient norm far outside its rolling noise band "
-                   "(not while the loss falls through its own)"),
+    "grad_spike": (("info", "warning"), "telemetry", "alert: the gradient norm far outside its rolling noise band "
+                   "(not while the loss falls through its own); a note where the whole run shows no blow-up"),
     "grad_explosion": (("critical",), "telemetry", "alert: the gradient norm many times its rolling median (not "
                        "while the loss falls through its own noise band)"),
     "loss_oscillating": (("warning",), "analyzer", "the loss swings up and down instead of falling"),
@@ -3494,7 +3494,7 @@ def _explains(cause: Finding, f: Finding, tolerance: float = 0) -> bool:
         return False
     if cause.code in BLOWUPS and _onset(f) < _onset(cause) - tolerance:
         return False   # an effect does not come before its cause (seen at the collections' resolution)
-    if cause.code == "lora_not_learning" and code in ("lr_zero", "frozen_group"):
+    if cause.code == "lora_not_learning" and code == "frozen_group":
         return "lora" in (f.group or "").lower()
     if cause.code == "lr_zero" and code == "not_learning":
         return cause.group is None
@@ -3538,8 +3538,13 @@ def diagnose(run: Run) -> list:
                              "its findings are left out")
                 continue
             for f in found:
-                if not (f.source == "telemetry" and _fold_alert(findings, f)):
-                    findings.append(f)
+                if f.source == "telemetry" and _fold_alert(findings, f):
+                    continue
+                if f.source == "telemetry" and f.code == "grad_spike":
+                    # Raised live, from a window of the run; seen whole, no gradient blow-up follows it
+                    f.severity = "info"
+                    f.message += " (over the whole run, no gradient blow-up: a lone spike)"
+                findings.append(f)
     gaps = np.diff(steps(run))
     return rank_findings(findings, float(np.median(gaps[gaps > 0])) if (gaps > 0).any() else 0)
 

@@ -247,7 +247,8 @@ SCENARIOS = {
     "missing_gradients": (sc_missing_gradients, "critical"),
     "forgetting": (sc_forgetting, "warning"),
     "lora_not_learning": (sc_lora_not_learning, "critical"),
-    "grad_spike": (sc_alert, "warning"),          # a telemetry alert keeps its own code and severity
+    "grad_spike": (sc_alert, "info"),   # a telemetry alert keeps its code; a lone grad_spike in a run with no
+                                        # blow-up is a note
     "metric_errors": (sc_metric_errors, "warning"),
 }
 
@@ -330,6 +331,21 @@ def test_telemetry_alerts_fold_into_matching_findings(tmp_path):
     found = [f for f in findings_of(write_run(tmp_path / "r", recs)) if f.severity != "info"]
     assert [(f.code, f.severity) for f in found] == [("lr_zero", "critical")]
     assert "telemetry alert lr_zero at step 10" in found[0].message and "frozen_group" in found[0].message
+
+
+def test_a_lone_gradient_spike_alert_is_a_note_and_one_the_run_confirms_folds(tmp_path):
+    """telemetry raises grad_spike live, from a window of the run. Where the whole run shows no gradient
+    blow-up (a healthy run's one blip), the analyzer reports it as a note; where exploding_gradients confirms
+    it, it folds into that finding."""
+    recs = healthy_records()
+    recs[60]["alerts"] = [{"code": "grad_spike", "severity": "warning", "message": "gradient norm 3 is 9 robust SDs"}]
+    spike = [f for f in findings_of(write_run(tmp_path / "lone", recs)) if f.code == "grad_spike"]
+    assert [(f.severity, f.source) for f in spike] == [("info", "telemetry")] and "lone spike" in spike[0].message
+    recs = sc_exploding_gradients(tmp_path)
+    recs[100]["alerts"] = [{"code": "grad_spike", "severity": "warning", "message": "gradient norm 90"}]
+    found = findings_of(write_run(tmp_path / "boom", recs))
+    assert "grad_spike" not in {f.code for f in found}
+    assert "telemetry alert grad_spike" in next(f for f in found if f.code == "exploding_gradients").message
 
 
 def test_churn_is_no_finding_and_a_small_net_loss_is_info(tmp_path):
