@@ -3143,6 +3143,36 @@ def check_dead_units(run: Run) -> list:
         + "LeakyReLU/GELU or normalisation before the activation also keep units alive.")]
 
 
+def check_dead_output(run: Run) -> list:
+    """A regression whose every holdout prediction is exactly 0 over the last quarter of its evaluations, while
+    the model's last ReLU-family activation, with as many units as the model has outputs, never fires: the
+    output passes through that ReLU, which cuts every negative prediction to 0 and passes no gradient where it
+    does. Standardised targets are negative about half the time; once every prediction is cut, nothing trains,
+    and weight decay alone shrinks the weights."""
+    h = holdout_data(run)
+    if not h or h.kind != "regression" or not h.raw:
+        return []
+    late = h.raw[-max(3, len(h.raw) // 4):]
+    cut = all(isinstance(r.get("predictions"), list) and r["predictions"]
+              and all(v == 0 or (isinstance(v, list) and all(x == 0 for x in v)) for v in r["predictions"])
+              for r in late)
+    layers = _unit_health(run, "dead")
+    if not cut or not layers:
+        return []
+    name, (v, st, kind, units) = list(layers.items())[-1]
+    outputs = _num(h.raw[-1].get("outputs", 1))
+    if units != outputs or float(np.median(v[-max(1, len(v) // 4):])) < 1.0:
+        return []
+    return [Finding(
+        "dead_output", "critical",
+        f"every holdout prediction is exactly 0 over the last {len(late)} evaluations, and the model's last "
+        f"activation, {name} ({kind}, {_fmt(units)} unit(s), as many as its outputs), never fires: the output "
+        "passes through it, which cuts every negative prediction to 0 and passes no gradient back from there.",
+        _steps_list([int(st[np.argmax(v >= 1.0)])]), group=name,
+        hint="Drop the activation after the output layer: a regression's prediction is its last Linear's output. "
+             "For targets that must be positive, use softplus or predict their log.")]
+
+
 # A unit on a flat end (|tanh| > 0.99, sigmoid outside 0.01-0.99) passes under 2% of the gradient; at a
 # standard init only a few percent of the outputs sit there. A quarter of a layer's outputs there is a
 # layer learning at a crawl.
@@ -3288,7 +3318,8 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base, check_ignored_group_key,
           check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode, check_negative_loss,
-          check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_weights_collapsed,
+          check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_dead_output,
+          check_weights_collapsed,
           check_not_learning, check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
           check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
@@ -3309,7 +3340,7 @@ STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs", "unscaled_inputs",
      "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
-     "gradients_clipped", "weights_collapsed", "not_learning"),
+     "gradients_clipped", "dead_output", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
@@ -3354,6 +3385,8 @@ FINDINGS = {
                         "cannot tell the examples apart"),
     "gradients_clipped": (("warning",), "analyzer", "every step's gradients are clipped to one small norm and the "
                           "train loss never falls: clip_grad_norm_'s max_norm is too small"),
+    "dead_output": (("critical",), "analyzer", "every regression prediction is 0: the output passes through a "
+                    "ReLU that never fires"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
                           "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
@@ -3440,6 +3473,9 @@ CONSEQUENCES = {
                           "saturated_units"),
     # steps of a fixed, tiny size: the weights stay where they started
     "gradients_clipped": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting"),
+    # no gradient passes the cut output: nothing trains, weight decay alone shrinks the weights, the units die
+    "dead_output": ("weights_collapsed", "not_learning", "loss_stalled", "holdout_at_chance", "forgetting",
+                    "vanishing_gradients", "dead_units", "unscaled_targets"),
     # weights near 0 give about the same output for every input, and small gradients to the early layers
     "weights_collapsed": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "vanishing_gradients",
                           "dead_units"),

@@ -1740,6 +1740,39 @@ def test_a_regression_of_two_targets_at_chance_is_named(tmp_path, shuffled):
         assert fresh > 0.3 and not [f for f in found.values() if f.severity != "info"], found
 
 
+@pytest.mark.parametrize("relu_at_the_end", [True, False])
+def test_a_regression_whose_output_passes_a_relu_is_named(tmp_path, relu_at_the_end):
+    """Diabetes with its target standardised (negative half the time), an MLP whose last module is a ReLU after
+    the output Linear, Adam with weight decay 1e-4: the ReLU soon cuts every prediction to 0 and passes no
+    gradient, the weights shrink under weight decay alone, and fresh examples score R^2 <= 0. The analyzer
+    led with weights_collapsed, hinting at a lower weight decay. dead_output now leads: every holdout
+    prediction 0 (as a manual pass finds) and the last ReLU, of one unit, never firing. Without the ReLU the
+    loop fits (R^2 over 0.3) and is not told."""
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(y))
+    x, y = x[order], y[order]
+    x, y = (x - x[:300].mean(0)) / x[:300].std(0), (y - y[:300].mean()) / y[:300].std()
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
+    torch.manual_seed(0)
+    layers = [nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1)]
+    model = nn.Sequential(*layers, *([nn.ReLU()] if relu_at_the_end else []))
+    sampled_run(tmp_path, model, x[:300], y[:300], (x[300:350], y[300:350]), 400, 32,
+                opt=torch.optim.Adam(model.parameters(), lr=3e-3, weight_decay=1e-4),
+                loss_fn=lambda out, target: F.mse_loss(out.squeeze(-1), target))
+    with torch.no_grad():
+        held, fresh = model(x[300:350]), model(x[350:]).squeeze(-1)
+    r2 = 1 - F.mse_loss(fresh, y[350:]) / y[350:].var(unbiased=False)
+    run, found = codes(tmp_path)
+    if relu_at_the_end:
+        assert bool((held == 0).all()) and r2 <= 0.01
+        top = at.diagnose(run)[0]
+        assert top.code == "dead_output" and "weights_collapsed" in {c.code for c in at.every_finding(top.consequences)}
+    else:
+        assert r2 > 0.3 and "dead_output" not in found and not [f for f in found.values() if f.severity != "info"]
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set
