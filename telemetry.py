@@ -3614,8 +3614,9 @@ def _warn_about_gradients(record: Dict[str, Any], warn: _Warnings) -> None:
         warn("no-grad", "telemetry: no gradients at collection time, recorded as null. "
                         "Call on_batch_end after optimizer.step() and before zero_grad().")
     elif norms["overall"] == 0.0:
-        warn("zero-grad", "telemetry: every gradient is exactly 0. If zero_grad() ran "
-                          "before on_batch_end, call on_batch_end before zero_grad().")
+        warn("zero-grad", "telemetry: every gradient is exactly 0: zero_grad() ran before on_batch_end (call it "
+                          "before zero_grad()), or nothing passes gradient back (an output cut to 0 by a final "
+                          "ReLU, a loss that does not depend on the weights).")
 
 
 def custom_metric_values(fn: Callable, model, optimizer, context) -> Dict[str, Any]:
