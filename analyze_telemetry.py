@@ -2366,10 +2366,12 @@ def _language_model_at_chance(run: Run, h: Holdout):
     loss, a, b = late
     if loss < entropy or _train_improved(run, a)[0]:
         return None
+    # Whether it got as far as the frequencies: a model whose loss stayed near its first learned nothing at all
+    learned = "the model learned which tokens are common and nothing from the context before them" \
+        if loss < 0.5 * (losses[0] + entropy) else "the model learned nothing, not even which tokens are common"
     return (f"the holdout loss is {_fmt(loss)} nats a token over the last quarter of the run (steps {a}-{b}), no "
             f"lower than the {_fmt(entropy)} of predicting each of its {tokens} scored tokens by how often it occurs "
-            "there: from a first loss of " + _fmt(float(losses[0])) + ", the model learned which tokens are common "
-            "and nothing from the context before them"), [a, b], False
+            f"there: from a first loss of {_fmt(float(losses[0]))}, {learned}"), [a, b], False
 
 
 def check_holdout_at_chance(run: Run) -> list:

@@ -1237,15 +1237,15 @@ class CharGRU(nn.Module):
         return self.head(self.rnn(self.embed(input_ids))[0])
 
 
-def char_gru_run(out, train, holdout, shifted=True):
-    """A CharGRU trained 150 steps with AdamW (lr 5e-3) on 16 windows of 64 characters drawn from `train`
+def char_gru_run(out, train, holdout, shifted=True, lr=5e-3):
+    """A CharGRU trained 150 steps with AdamW (at `lr`) on 16 windows of 64 characters drawn from `train`
     (seed 0), collecting every 5 steps with `holdout` given; its loss scores position t against the character
     at t + 1, or with shifted=False against the one at t. Returns (the model, the last record)."""
     from telemetry import TelemetryConfig, TrainingTelemetry
 
     torch.manual_seed(0)
     model = CharGRU()
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=5))
     tel.set_holdout_data({"input_ids": holdout, "labels": holdout})
     gen, record = torch.Generator().manual_seed(0), None
@@ -1333,9 +1333,25 @@ def test_a_language_model_that_learns_only_the_token_frequencies_reads_at_chance
         if name == "shuffled":
             assert nll > 0.98 * counted, (nll, counted)
             assert top[0] == "holdout_at_chance", top
+            assert "learned which tokens are common" in found["holdout_at_chance"].message
         else:
             assert nll < 0.85 * counted, (nll, counted)
             assert "holdout_at_chance" not in found, found
+
+
+def test_a_language_model_that_learned_nothing_is_not_said_to_know_the_frequencies(tmp_path):
+    """The same GRU at lr 0: its holdout loss stays at its first, far above the frequencies' level. It is at
+    chance, under lr_zero, and its message said 'the model learned which tokens are common'; it learned
+    nothing, and says so."""
+    import inspect
+    import textwrap
+
+    char_gru_run(tmp_path, source_ids(inspect), text_windows(source_ids(textwrap), 40), lr=0.0)
+    run, found = codes(tmp_path)
+    losses = [r["holdout_logits"]["loss"] for r in run.records]
+    assert max(losses) - min(losses) < 1e-6 and losses[0] > 1.3 * run.meta["holdout"]["token_entropy"]
+    assert at.diagnose(run)[0].code == "lr_zero"
+    assert "learned nothing, not even which tokens are common" in found["holdout_at_chance"].message
 
 
 def test_a_holdout_drawn_from_the_training_data_is_named(tmp_path):
