@@ -2692,10 +2692,13 @@ class _SystemClock:
     def __init__(self):
         self.last: Optional[tuple] = None  # (perf_counter, step) at the previous collection
         self.last_ms = 0.0  # the previous collection's telemetry_ms
+        self.accumulation = 1  # micro-batches an optimizer step that the hook is not called for (the Trainer's)
         self.no_gpu_util = False
 
-    def section(self, model: torch.nn.Module, batch: Any, started: float, step: int) -> Dict[str, Any]:
-        """Throughput assumes the batches since the previous collection were the size of this one.
+    def section(self, model: torch.nn.Module, batch: Any, started: float, step: int,
+                batches_per_step: int = 1) -> Dict[str, Any]:
+        """Throughput assumes the batches since the previous collection were the size of this one, and that an
+        optimizer step took `batches_per_step` of them (times `accumulation`): gradient accumulation.
         telemetry_share is the previous collection's own time over the wall time since it started.
         cuda_peak_mb is the peak since the process started (resetting the counter is the user's to do)."""
         out: Dict[str, Any] = {}
@@ -2704,7 +2707,7 @@ class _SystemClock:
             elapsed, steps = started - last[0], step - last[1]
             out["step_time_s"] = elapsed / steps
             if batch is not None:
-                out.update(_throughput(batch, steps / elapsed))
+                out.update(_throughput(batch, steps * batches_per_step * self.accumulation / elapsed))
             out["telemetry_share"] = self.last_ms / 1e3 / elapsed
         rss = _rss_mb()
         if rss is not None:
@@ -3985,6 +3988,7 @@ class _Schedule:
         self.seen: Dict[int, int] = {}  # optimizer id -> its step count at the previous call
         self.due = False
         self.calls_without_step = 0
+        self.batches_per_step = 1  # calls up to the latest step: its micro-batches, where each is passed
         self.collected_at: Optional[int] = None  # batch_idx of the latest collection, until the next step
         self.last_idx: Optional[int] = None  # batch_idx of the previous call
 
@@ -3995,6 +3999,8 @@ class _Schedule:
         else:
             count = self.steps.count(optimizer)
             taken, self.seen[id(optimizer)] = count - self.seen.get(id(optimizer), 0), count
+            if taken:
+                self.batches_per_step = self.calls_without_step + 1
             self.calls_without_step = 0 if taken else self.calls_without_step + 1
             taken = max(taken, 0) or (1 if taken < 0 else 0)
         if taken:
@@ -5335,7 +5341,7 @@ class TrainingTelemetry:
                                      "(it reads a tensor, a tuple or list, or a dict); pass batch=(inputs, labels) "
                                      "or a dict of tensors to count its labels")
         if cfg.track_system:
-            c.add("system", self._clock.section, model, batch, started, self.step)
+            c.add("system", self._clock.section, model, batch, started, self.step, self._schedule.batches_per_step)
         if self._metrics:
             context = {"step": self.step, "batch_idx": batch_idx, "epoch": epoch, "batch": batch, "loss": loss}
             given = list(optimizer.members) if isinstance(optimizer, _Optimizers) else optimizer  # as passed
@@ -5584,6 +5590,8 @@ def hf_callback_class() -> type:
                                  model.register_forward_hook(self._see_output, with_kwargs=True)]
                 if optimizer is not None:  # drift from the weights before the first step
                     self.telemetry.keep_initial_weights(model, optimizer)
+                # the hook runs once an optimizer step, after the last of its micro-batches
+                self.telemetry._clock.accumulation = max(int(getattr(args, "gradient_accumulation_steps", 1) or 1), 1)
                 self._before_clip = bool(args.max_grad_norm and args.max_grad_norm > 0) and \
                     getattr(optimizer, "scaler", None) is None and _rank_and_world()[1] == 1
 

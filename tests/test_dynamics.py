@@ -767,6 +767,30 @@ def test_system_metrics_throughput_tokens_and_memory(tmp_path):
         assert third["system"]["rss_mb"] == pytest.approx(vm_rss_mb(), rel=0.2)
 
 
+def test_throughput_counts_every_micro_batch_of_a_step(tmp_path):
+    """Gradient accumulation over 3 micro-batches of 4, the hook called after each (it collects only after the
+    step): an optimizer step took 12 examples, and examples_per_s said 4 a step."""
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(config(tmp_path, collect_every_n=1))
+    batch = (torch.randn(4, 6), torch.randn(4, 1))
+    recs = []
+    for step in range(4):
+        for micro in range(3):
+            time.sleep(0.01)
+            F.mse_loss(model(batch[0]), batch[1]).backward()
+            if micro == 2:
+                opt.step()
+            rec = tel.on_batch_end(model, opt, 3 * step + micro, 0, batch=batch)
+        recs.append(rec)
+        opt.zero_grad()
+    for rec in recs[1:]:
+        assert rec["system"]["examples_per_s"] * rec["system"]["step_time_s"] == pytest.approx(12)
+
+
 # ---- pure functions --------------------------------------------------------------------------------
 
 

@@ -512,6 +512,8 @@ def test_trainer_counts_optimizer_steps_under_gradient_accumulation(tmp_path):
     for before, r in zip(records[0::2], records[1::2]):
         assert rel(r["gradient_norm"]["overall"], logged[r["step"]]["grad_norm"]) < 1e-5
         assert r["batch_stats"]["batch_size"] == 4  # the step's last micro-batch
+        # a step took 2 micro-batches of 4 examples: throughput counts both
+        assert r["system"]["examples_per_s"] * r["system"]["step_time_s"] == pytest.approx(8)
         # each record's loss covers its own 2 micro-batches; the Trainer logs the mean of 2 optimizer steps
         assert rel((before["loss"] + r["loss"]) / 2, logged[r["step"]]["loss"]) < 1e-5
 
