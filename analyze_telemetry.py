@@ -2385,8 +2385,9 @@ def check_holdout_at_chance(run: Run) -> list:
             hint="The context does not reach the model, or tells it nothing: check the tensor it is called on "
                  "(the input_ids, not the attention mask or the labels), an attention mask that hides every "
                  "position, and that the training text keeps its order (shuffle windows or documents, not "
-                 "tokens). A run stopped early can sit at this level before it learns the context: train longer "
-                 "to be sure.")]
+                 "tokens). A learning rate far too high also keeps a model there (its steps undo what the context "
+                 "taught): try a tenth. A run stopped early can sit at this level before it learns the context: "
+                 "train longer to be sure.")]
     if not (h.kind == "regression" or h.kind == "classification" and h.num_classes):
         return []
     found = _regression_at_chance(h) if h.kind == "regression" else _classification_at_chance(h)

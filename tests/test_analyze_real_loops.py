@@ -1334,6 +1334,7 @@ def test_a_language_model_that_learns_only_the_token_frequencies_reads_at_chance
             assert nll > 0.98 * counted, (nll, counted)
             assert top[0] == "holdout_at_chance", top
             assert "learned which tokens are common" in found["holdout_at_chance"].message
+            assert "learning rate far too high" in found["holdout_at_chance"].hint
         else:
             assert nll < 0.85 * counted, (nll, counted)
             assert "holdout_at_chance" not in found, found
