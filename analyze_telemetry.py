@@ -1408,6 +1408,10 @@ def check_frozen_groups(run: Run) -> list:
     group that never get a gradient while the rest of it does."""
     groups = list(dict.fromkeys(_groups(run, "gradient_norm") + _groups(run, "weight_delta") + list(_meta_groups(run))))
     lr_zero = _lr_zero_groups(run) if len(groups) >= 2 else {}
+    # Where no weight moves at all (every lr 0, say), no group stands still while the others train
+    moved = _finite(column(run, "weight_delta.overall")[1:])
+    if len(moved) and not (moved > 0).any():
+        groups = []
     findings = []
     for g in groups if len(groups) >= 2 else []:
         if g in lr_zero or _outside_optimizer(run, g) or _wholly_frozen(run, g):
@@ -1520,6 +1524,12 @@ def _change_text(a: float, b: float) -> str:
     if a > 0 and b >= 2 * a:
         return f"{b / a:.1f}x as high"
     return f"{'fell' if b < a else 'rose'} {abs(b - a) / abs(a):.1%}" if a else f"from {_fmt(a)} to {_fmt(b)}"
+
+
+def _prior_model(run: Run) -> str:
+    """What the chance level of _chance_losses predicts, in words."""
+    h = holdout_data(run)
+    return "the targets' mean for every example" if h and h.kind == "regression" else "only the label shares"
 
 
 def _chance_losses(run: Run):
@@ -1652,7 +1662,7 @@ def check_weights_collapsed(run: Run) -> list:
         if not _at_chance_level(t, prior):
             return []   # it learned something: a smaller norm that still fits the data
         level = f"ended at the chance level ({_fmt(t.last)} over the last fifth, against {_fmt(prior)} for a " \
-                "model that predicts only the label shares)"
+                f"model that predicts {_prior_model(run)})"
     elif _flat(t):
         level = f"never fell ({_trend_text(t)})"
     else:
@@ -1725,7 +1735,7 @@ def check_loss_stalled(run: Run) -> list:
     return [Finding(
         "loss_stalled", "warning",
         f"the train loss stayed at the chance level from the start: {_trend_text(t)}, against {_fmt(prior)} for a "
-        "model that predicts only the label shares, although the weights move.", _steps_list(t.where),
+        f"model that predicts {_prior_model(run)}, although the weights move.", _steps_list(t.where),
         hint="Check that the labels line up with the inputs and that the loss is computed on the model output; "
              "then raise the learning rate (try 3-10x) or check the gradients reach the early layers.")]
 
@@ -3007,7 +3017,7 @@ def check_class_imbalance(run: Run) -> list:
             # Batches as balanced as chance allows against an uneven holdout is also what a sampler that
             # rebalances the classes gives, by design (the fix the other case hints at): a note, not an alarm.
             severity = "info"
-            reasons[0] += " (the train batches are balanced)"
+            reasons[0] += f" (the train batches are balanced, within chance for the {total} labels counted)"
             hint = ("If a sampler rebalances the classes (WeightedRandomSampler, oversampling), this is by design: "
                     "the holdout weighs the classes as the data does, the batches evenly. If not, split the holdout "
                     "off the training data at random (data sorted or grouped by class, or a holdout from another "
