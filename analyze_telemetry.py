@@ -3156,6 +3156,31 @@ def check_dead_units(run: Run) -> list:
         + "LeakyReLU/GELU or normalisation before the activation also keep units alive.")]
 
 
+def check_integer_targets(run: Run) -> list:
+    """A note where a regression's targets are whole numbers of a few values (3 to MAX_INTEGER_TARGETS, over the
+    holdout): class indices fitted as numbers, as an ordinal target is meant to be, or as a loop that meant a
+    classifier does by mistake (MSE on the labels, one output). Which it is, only the author knows."""
+    h = holdout_data(run)
+    if not h or h.kind != "regression":
+        return []
+    targets = _last_targets(h)
+    if len(targets) < 5 or targets.shape[1] != 1 or not (targets == np.round(targets)).all():
+        return []
+    values = np.unique(targets)
+    if not 3 <= len(values) <= MAX_INTEGER_TARGETS:
+        return []
+    return [Finding(
+        "integer_targets", "info",
+        f"the regression's targets are whole numbers of {len(values)} values ({_fmt(float(values[0]))} to "
+        f"{_fmt(float(values[-1]))}), fitted as numbers by one output.", _steps_list(steps(run)[:1]),
+        hint=f"If they name classes rather than measure an amount, a classifier fits them: {len(values)} outputs "
+             "under CrossEntropyLoss, the labels as they are. A regression on class indices orders the classes and "
+             "scores between them. An ordinal target (a rating, a grade) is right as it is.")]
+
+
+MAX_INTEGER_TARGETS = 20   # more whole-number values than this read as counts, not classes
+
+
 def check_dead_output(run: Run) -> list:
     """A regression whose every holdout prediction is exactly 0 over the last quarter of its evaluations, while
     the model's last ReLU-family activation, with as many units as the model has outputs, never fires: the
@@ -3331,7 +3356,8 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base, check_ignored_group_key,
           check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode, check_negative_loss,
-          check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_dead_output,
+          check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_integer_targets,
+          check_dead_output,
           check_weights_collapsed,
           check_not_learning, check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
@@ -3353,7 +3379,7 @@ STAGES = (
     ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs", "unscaled_inputs",
      "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
-     "gradients_clipped", "dead_output", "weights_collapsed", "not_learning"),
+     "gradients_clipped", "integer_targets", "dead_output", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
@@ -3398,6 +3424,8 @@ FINDINGS = {
                         "cannot tell the examples apart"),
     "gradients_clipped": (("warning",), "analyzer", "every step's gradients are clipped to one small norm and the "
                           "train loss never falls: clip_grad_norm_'s max_norm is too small"),
+    "integer_targets": (("info",), "analyzer", "a regression's targets are whole numbers of a few values: class "
+                        "indices fitted as numbers (right for an ordinal target, a mistake for classes)"),
     "dead_output": (("critical",), "analyzer", "every regression prediction is 0: the output passes through a "
                     "ReLU that never fires"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "

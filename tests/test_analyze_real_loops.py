@@ -1424,7 +1424,8 @@ def test_one_output_against_integer_labels_is_scored_as_a_regression(tmp_path, d
     more: the analyzer then read a negative holdout loss and said holdout_at_chance ("2 classes"), critical,
     and for the digits loss_diverging at 40x the loss of a model that knows nothing, while the loss fell.
     The holdout is now a regression: its predictions and squared errors are a manual pass's, and none of those
-    findings is told."""
+    findings is told; a note (info) says that the targets are whole numbers of a few values, which a
+    classifier fits if they name classes."""
     from sklearn.datasets import load_digits, load_wine
 
     loader = load_wine if data == "wine" else load_digits
@@ -1453,6 +1454,9 @@ def test_one_output_against_integer_labels_is_scored_as_a_regression(tmp_path, d
     run, found = codes(tmp_path)
     assert not {"holdout_at_chance", "loss_diverging", "negative_loss"} & set(found), found
     assert not [f for f in found.values() if f.severity == "critical"], found
+    # what the analyzer can say of either: a note that these numbers may be classes
+    note = found["integer_targets"]
+    assert note.severity == "info" and f"whole numbers of {int(y.max()) + 1} values" in note.message
 
 
 def test_a_few_dozen_counted_labels_are_no_class_imbalance(tmp_path):
