@@ -933,6 +933,41 @@ def check_frozen_parameters(run: Run) -> list:
     return findings
 
 
+RESTART_JUMP = 10.0   # a restart's weight change this many times a collection's usual one: other weights
+
+
+def check_restart_from_scratch(run: Run) -> list:
+    """A restart whose weights are not the ones the run left: their change from the reference (the weights the
+    run held at its last collection) is RESTART_JUMP times the previous stretch's usual change, and the
+    holdout loss is back at once where that stretch began, after it had come down. A new training written into
+    the same run directory (the script run again), or a resume that loaded no checkpoint: what follows is
+    another run's, measured as if one. A resume from an older checkpoint moves the weights as far, but
+    comes back to a loss the run had on its way down, not to its start."""
+    wd, loss, seg, st = column(run, "weight_delta.overall"), column(run, "holdout_logits.loss"), segment_ids(run), \
+        steps(run)
+    findings = []
+    for restart in run.restarts:
+        i = restart["index"]
+        if i <= 0 or i >= len(run.records):
+            continue
+        before = seg == seg[i] - 1
+        usual, held = _finite(wd[before][1:]), _finite(loss[before])
+        if len(usual) < 3 or not len(held) or not (math.isfinite(wd[i]) and math.isfinite(loss[i])):
+            continue
+        usual, start, last = float(np.median(usual)), float(np.median(held[:3])), float(np.median(held[-3:]))
+        if not (usual > 0 and wd[i] >= RESTART_JUMP * usual and last < 0.9 * start <= loss[i]):
+            continue
+        findings.append(Finding(
+            "restart_from_scratch", "warning",
+            f"at the restart at step {int(st[i])} the weights are not the ones the run left: they moved "
+            f"{_fmt(float(wd[i]))} from the reference, {wd[i] / usual:.0f}x a collection's usual {_fmt(usual)}, "
+            f"and the holdout loss went from {_fmt(last)} to {_fmt(float(loss[i]))} at once, back to where that run "
+            f"began ({_fmt(start)}). The records after it are another training's.", [int(st[i])],
+            hint="Give each run its own output_dir (output_dir=\"runs/{date}_{host}\" does); to resume a run, load "
+                 "the model's and the optimizer's state from a checkpoint before training on."))
+    return findings
+
+
 def check_not_in_optimizer(run: Run) -> list:
     """Trainable tensors that no optimizer param group holds: nothing updates them, and zero_grad() skips
     them, so their .grad keeps growing with every backward()."""
@@ -3353,7 +3388,7 @@ def check_metric_errors(run: Run) -> list:
 
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
-CHECKS = (check_section_failed, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
+CHECKS = (check_section_failed, check_restart_from_scratch, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
           check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base, check_ignored_group_key,
           check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode, check_negative_loss,
           check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_integer_targets,
@@ -3376,7 +3411,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # finding's stage decides its rank; a finding that a higher-ranked one explains (CONSEQUENCES) is listed
 # under it, not beside it.
 STAGES = (
-    ("section_failed", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
+    ("section_failed", "restart_from_scratch", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
      "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs", "unscaled_inputs",
      "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
      "gradients_clipped", "integer_targets", "dead_output", "weights_collapsed", "not_learning"),
@@ -3396,6 +3431,9 @@ STAGES = (
 FINDINGS = {
     "section_failed": (("critical",), "analyzer", "a telemetry section failed at every collection, so the "
                        "run has none of it (the records' errors name why)"),
+    "restart_from_scratch": (("warning",), "analyzer", "a restart whose weights are not the ones the run left (10x "
+                             "the usual change, the holdout loss back where the run began): another training "
+                             "written into the same run directory"),
     "gradients_never_zeroed": (("warning",), "analyzer", "the same gradient tensors change once per step in "
                                "place: backward() adds into them and nothing zeroes them"),
     "missing_gradients": (("warning", "critical"), "analyzer", "gradients absent when the hook ran: it was "
@@ -3499,6 +3537,8 @@ CONSEQUENCES = {
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
+    # a model that starts again from fresh weights forgets what the holdout had learned
+    "restart_from_scratch": ("forgetting", "overfitting", "loss_spike"),
     # no dropout: nothing holds back memorising the train set
     "eval_mode": ("overfitting", "forgetting"),
     # a loss without a floor: the outputs, the gradients and the holdout's loss grow without end

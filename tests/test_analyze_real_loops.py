@@ -27,9 +27,11 @@ sys.path.insert(0, str(ROOT))
 import analyze_telemetry as at  # noqa: E402
 
 
-def train_process(out, steps, seed, holdout=None, forward=None, lr=0.05, collect_every_n=1, **config):
+def train_process(out, steps, seed, holdout=None, forward=None, lr=0.05, collect_every_n=1, checkpoint=None,
+                  **config):
     """One process start on run directory `out`: a fresh 3-class MLP trained `steps` batches with the real
-    TrainingTelemetry. Returns the record lines this process appended."""
+    TrainingTelemetry (resumed from the model and optimizer state in `checkpoint` where that file exists, and
+    saved there at the end). Returns the record lines this process appended."""
     from telemetry import TelemetryConfig, TrainingTelemetry
 
     gen = torch.Generator().manual_seed(seed)
@@ -38,6 +40,10 @@ def train_process(out, steps, seed, holdout=None, forward=None, lr=0.05, collect
     y = (x @ torch.randn(6, 3, generator=torch.Generator().manual_seed(1))).argmax(1)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
     records = Path(out) / "telemetry.jsonl"
     before = records.read_text().splitlines() if records.exists() else []
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(out), collect_every_n=collect_every_n,
@@ -52,6 +58,8 @@ def train_process(out, steps, seed, holdout=None, forward=None, lr=0.05, collect
         opt.step()
         tel.on_batch_end(model, opt, i, 0, batch={"x": x[idx], "labels": y[idx]}, loss=loss.item())
     tel.close()
+    if checkpoint is not None:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, checkpoint)
     return records.read_text().splitlines()[len(before):]
 
 
@@ -108,6 +116,26 @@ def test_a_resume_is_a_boundary_for_series_findings(resumed, tmp_path):
              for seg in (first, later)]
     assert summary["duration_s"] == round(sum(s.total_seconds() for s in spans), 1) < 3600
     assert f"restarts: step {boundary} (start 1, {meta['starts'][1]})" in at.format_text([(run, [], summary)])
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_second_training_written_into_the_run_directory_is_named(tmp_path, resume):
+    """The same script run twice into one output_dir: the second start trains a fresh model, and its records
+    read as the same run resumed (the holdout loss back where the first began, a weight change 10x and more
+    the usual at the boundary). The analyzer said nothing of it. restart_from_scratch names the boundary.
+    The same two starts with the model and optimizer state saved and loaded in between, a real resume,
+    are not told."""
+    out, checkpoint = tmp_path / "run", (tmp_path / "state.pt") if resume else None
+    first = [json.loads(line) for line in train_process(out, 30, seed=0, holdout=True, checkpoint=checkpoint)]
+    second = [json.loads(line) for line in train_process(out, 20, seed=5, holdout=True, checkpoint=checkpoint)]
+    run, found = codes(out)
+    boundary = second[0]["step"]
+    jump = second[0]["weight_delta"]["overall"] / np.median([r["weight_delta"]["overall"] for r in first[1:]])
+    if resume:
+        assert jump < 3 and "restart_from_scratch" not in found, found
+    else:
+        assert jump > 10 and second[0]["holdout_logits"]["loss"] > 0.9 * first[0]["holdout_logits"]["loss"]
+        assert found["restart_from_scratch"].steps == [boundary]
 
 
 def test_a_run_appended_without_a_marker_starts_a_segment(resumed, tmp_path):
