@@ -4729,10 +4729,8 @@ class _Holdout:
         if not self.batches or not rows.dim() or not rows.shape[0] or _wide(rows.device) != torch.float64:
             return None
         rows = rows.reshape(rows.shape[0], -1)
-        key = (rows.shape[1], rows.device)
-        if key not in self.signatures:
-            self.signatures[key] = self._signatures(*key)
-        held, self.looked_up = self.signatures[key], key
+        self.looked_up = (rows.shape[1], rows.device)
+        held = self._signatures_for(self.looked_up)
         return None if held is None else rows.double() @ held[0]
 
     def input_pairs(self) -> Dict[str, int]:
@@ -4744,10 +4742,7 @@ class _Holdout:
             first = next((x for x in map(batch_inputs, self.batches) if x is not None and x.dim()), None)
             if first is None or not first.is_floating_point():
                 return {}
-            key = (first[0].numel(), torch.device("cpu"))  # kept: CPU batches look up the same
-            if key not in self.signatures:
-                self.signatures[key] = self._signatures(*key)
-            held = self.signatures[key]
+            held = self._signatures_for((first[0].numel(), torch.device("cpu")))  # CPU batches look up the same
         except Exception:  # what telemetry only describes never stops set_holdout_data
             return {}
         if held is None:
@@ -4769,6 +4764,12 @@ class _Holdout:
             at = bisect.bisect_left(held[2], row[1])
             found += any(_same_sums(held[1][k], row) for k in (at - 1, at) if 0 <= k < len(held[1]))
         return found, len(sums)
+
+    def _signatures_for(self, key: tuple) -> Optional[tuple]:
+        """_signatures(*key), computed once per (input size, device) for this holdout."""
+        if key not in self.signatures:
+            self.signatures[key] = self._signatures(*key)
+        return self.signatures[key]
 
     def _signatures(self, size: int, device: torch.device) -> Optional[tuple]:
         """(weights [size, 2] on `device`, the holdout examples' two sums as [[plain, weighted], ...] sorted by
