@@ -968,6 +968,13 @@ def check_restart_from_scratch(run: Run) -> list:
     return findings
 
 
+def _optimizer_holds_none(run: Run) -> bool:
+    """Whether run.json's groups say the optimizer holds no trainable tensor of the model: every group's
+    count 0 (frozen ones), or no group at all (an optimizer built for another instance of the model)."""
+    groups = {g: info for g, info in _meta_groups(run).items() if g != NOT_IN_OPTIMIZER}
+    return isinstance(run.meta.get("groups"), dict) and not any(_count(info, "tensors") for info in groups.values())
+
+
 def check_not_in_optimizer(run: Run) -> list:
     """Trainable tensors that no optimizer param group holds: nothing updates them, and zero_grad() skips
     them, so their .grad keeps growing with every backward()."""
@@ -981,15 +988,13 @@ def check_not_in_optimizer(run: Run) -> list:
     what = (f"{tensors} trainable tensor(s) ({_fmt(_count(info, 'elements'))} weights"
             + (f": {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}" if names else "") + ")"
             if tensors else "some parameters (the records' not_in_optimizer group)")
-    groups = {g: v for g, v in _meta_groups(run).items() if g != NOT_IN_OPTIMIZER}
-    none_held = isinstance(run.meta.get("groups"), dict) and not any(_count(v, "tensors") for v in groups.values())
     return [Finding(
         NOT_IN_OPTIMIZER, "warning",
         f"{what} have requires_grad=True but are in no optimizer param group: the optimizer never updates them, "
         "and since optimizer.zero_grad() does not clear them either, their .grad only grows."
         + (" The optimizer holds none of the model's trainable tensors: it was built for another instance of "
            "the model (one created or loaded again after the optimizer), or it steps copies of the weights."
-           if none_held and tensors else ""),
+           if tensors and _optimizer_holds_none(run) else ""),
         _steps_list(steps(run)[:1]), group=NOT_IN_OPTIMIZER,
         hint="If they should train, add them to the optimizer (build it after the model is complete, or "
              "add_param_group); if another optimizer trains them, pass every optimizer to on_batch_end, as a "
@@ -1114,12 +1119,8 @@ def check_missing_gradients(run: Run) -> list:
     for g in _groups(run, "gradient_norm"):
         null &= np.isnan(column(run, ("gradient_norm", g)))
     missing = [int(v) for v in steps(run)[null]]
-    groups = {g: info for g, info in _meta_groups(run).items() if g != NOT_IN_OPTIMIZER}
-    if not missing or (groups or isinstance(run.meta.get("groups"), dict)) and not any(
-            _count(info, "tensors") for info in groups.values()):
-        # The optimizer holds no trainable tensor of the model (none at all: run.json's groups are empty): no
-        # .grad to read, and nothing cleared it (frozen_parameters, not_in_optimizer)
-        return []
+    if not missing or _optimizer_holds_none(run):
+        return []   # no .grad to read, and nothing cleared it (frozen_parameters, not_in_optimizer)
     share = len(missing) / considered
     return [Finding(
         "missing_gradients", "critical" if share >= 0.5 else "warning",
@@ -1442,11 +1443,11 @@ def check_frozen_groups(run: Run) -> list:
     they name have their own findings: lr_zero, frozen_parameters, not_in_optimizer); or layers inside a
     group that never get a gradient while the rest of it does."""
     groups = list(dict.fromkeys(_groups(run, "gradient_norm") + _groups(run, "weight_delta") + list(_meta_groups(run))))
-    lr_zero = _lr_zero_groups(run) if len(groups) >= 2 else {}
     # Where no weight moves at all (every lr 0, say), no group stands still while the others train
     moved = _finite(column(run, "weight_delta.overall")[1:])
     if len(moved) and not (moved > 0).any():
         groups = []
+    lr_zero = _lr_zero_groups(run) if len(groups) >= 2 else {}
     findings = []
     for g in groups if len(groups) >= 2 else []:
         if g in lr_zero or _outside_optimizer(run, g) or _wholly_frozen(run, g):
@@ -1970,8 +1971,8 @@ def _gradient_trends(run: Run) -> list:
 
 def _losses_at(run: Run, t: Trend) -> np.ndarray:
     """The train loss at the trend's steps (NaN where a record has none)."""
-    by_step = dict(zip(steps(run)[segment_ids(run) == t.segment].tolist(),
-                       column(run, "loss")[segment_ids(run) == t.segment].tolist()))
+    here = segment_ids(run) == t.segment
+    by_step = dict(zip(steps(run)[here].tolist(), column(run, "loss")[here].tolist()))
     return np.array([by_step.get(s, math.nan) for s in t.steps.tolist()], dtype=float)
 
 
@@ -2330,14 +2331,22 @@ def _classification_at_chance(h: Holdout):
     return why, [a, b], acc < chance - band and not one_class
 
 
+def _late_right(h: Holdout):
+    """Per holdout example, the share of the last quarter of the evaluations (at least the last three) that
+    got it right; None where the records hold no per-example result matching the labels."""
+    if h.correct is None or h.labels is None or h.correct.shape[0] != len(h.labels) or not h.correct.shape[1]:
+        return None
+    return h.correct[:, -max(3, h.correct.shape[1] // 4):].astype(float).mean(axis=1)
+
+
 def _recalls_above_chance(h: Holdout) -> bool:
     """Whether the holdout's balanced accuracy (the mean over its classes of the share of their examples
     recognised, over the last quarter of its evaluations) is over chance (1/classes) by 2 sigmas of chance's
     own spread. A model trained on rebalanced batches can score under the most common class's share on an
     uneven holdout while it recognises every class: always predicting that class scores 1/classes here."""
-    if h.correct is None or h.labels is None or h.correct.shape[0] != len(h.labels) or not h.correct.shape[1]:
+    right = _late_right(h)
+    if right is None:
         return False
-    right = h.correct[:, -max(3, h.correct.shape[1] // 4):].astype(float).mean(axis=1)
     k = int(h.num_classes)
     sizes = [int((h.labels == c).sum()) for c in range(k)]
     recalls = [float(right[h.labels == c].mean()) for c, size in zip(range(k), sizes) if size]
@@ -2394,7 +2403,8 @@ def _regression_at_chance(h: Holdout):
             f"better than the {_fmt(var)} of always predicting the targets' mean (R^2 {1 - mse / var:.2f})"), [a, b], False
 
 
-FREQUENCIES_LEFT = 1.1   # a language model's first holdout loss this far above its tokens' entropy: it had them to learn
+# A language model's first holdout loss this far above its tokens' entropy: it had them to learn
+FREQUENCIES_LEFT = 1.1
 
 
 def _language_model_at_chance(run: Run, h: Holdout):
@@ -2742,8 +2752,8 @@ def _rare_classes_neglected(h: Holdout, labels: list, shares: np.ndarray):
     are recognised far less often than those of the other classes, over the last quarter of its evaluations
     (at least the last three); None where the holdout cannot tell (no per-example data, or fewer than 5
     examples on either side)."""
-    if h is None or h.kind != "classification" or h.correct is None or h.labels is None \
-            or h.correct.shape[0] != len(h.labels) or not h.correct.shape[1]:
+    right = _late_right(h) if h is not None and h.kind == "classification" else None
+    if right is None:
         return None
     try:
         classes = [int(c) for c in labels]
@@ -2753,7 +2763,6 @@ def _rare_classes_neglected(h: Holdout, labels: list, shares: np.ndarray):
     is_rare = np.isin(h.labels, rare)
     if is_rare.sum() < 5 or (~is_rare).sum() < 5:
         return None
-    right = h.correct[:, -max(3, h.correct.shape[1] // 4):].astype(float).mean(axis=1)
     r_rare, r_common = float(right[is_rare].mean()), float(right[~is_rare].mean())
     # Three sigmas of the difference of two recalls (both sides are samples: a few hard examples among a
     # small holdout's rare ones lower its rare recall while fresh data's stays level), and 10 points: class
@@ -3000,7 +3009,7 @@ def check_class_imbalance(run: Run) -> list:
     # Values the holdout's classes cannot take are no labels of its: the batch's last tensor holds something
     # else (an (inputs, labels, index) batch's example indices), and comparing its shares says nothing.
     foreign = h is not None and h.kind == "classification" and bool(h.num_classes) and any(
-        _int_or_none(c) is not None and not 0 <= _int_or_none(c) < h.num_classes for c in labels)
+        v is not None and not 0 <= v < h.num_classes for v in map(_int_or_none, labels))
     if h and h.kind == "classification" and h.labels is not None and len(h.labels) >= 20 and not foreign:
         n_h, n_t = len(h.labels), _train_set_size(run)
         for c, share in zip(labels, shares):
@@ -3388,13 +3397,12 @@ def check_metric_errors(run: Run) -> list:
 
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
-CHECKS = (check_section_failed, check_restart_from_scratch, check_gradients_never_zeroed, check_missing_gradients, check_not_in_optimizer,
-          check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base, check_ignored_group_key,
-          check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode, check_negative_loss,
-          check_constant_inputs, check_labels_not_shifted, check_gradients_clipped, check_integer_targets,
-          check_dead_output,
-          check_weights_collapsed,
-          check_not_learning, check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
+CHECKS = (check_section_failed, check_restart_from_scratch, check_gradients_never_zeroed, check_missing_gradients,
+          check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
+          check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
+          check_negative_loss, check_constant_inputs, check_labels_not_shifted, check_gradients_clipped,
+          check_integer_targets, check_dead_output, check_weights_collapsed, check_not_learning,
+          check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
           check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
           check_dead_units, check_saturated_units, check_vanishing_gradients, check_loss_stalled,
@@ -3411,10 +3419,10 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # finding's stage decides its rank; a finding that a higher-ranked one explains (CONSEQUENCES) is listed
 # under it, not beside it.
 STAGES = (
-    ("section_failed", "restart_from_scratch", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer", "frozen_parameters",
-     "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs", "unscaled_inputs",
-     "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
-     "gradients_clipped", "integer_targets", "dead_output", "weights_collapsed", "not_learning"),
+    ("section_failed", "restart_from_scratch", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer",
+     "frozen_parameters", "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key",
+     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
+     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
