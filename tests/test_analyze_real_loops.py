@@ -377,6 +377,29 @@ def sampled_run(out, model, x, y, holdout, steps, batch, loss_fn=F.cross_entropy
     return loss
 
 
+def loader_run(out, model, opt, loader, holdout, epochs, every, per_step=None, per_epoch=None):
+    """`model` trained by `opt` on cross-entropy over `epochs` passes of `loader`, whose batches (inputs, labels,
+    anything else) go to the hook as they come, collecting every `every` steps with the real TrainingTelemetry;
+    `holdout` given to set_holdout_data; `per_step()` after each optimizer step, `per_epoch()` after each
+    epoch (a scheduler's step)."""
+    from telemetry import TrainingTelemetry
+
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=every)
+    tel.set_holdout_data(holdout)
+    for epoch in range(epochs):
+        for i, batch in enumerate(loader):
+            loss = F.cross_entropy(model(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=batch, loss=loss)
+            opt.zero_grad()
+            if per_step is not None:
+                per_step()
+        if per_epoch is not None:
+            per_epoch()
+    tel.close()
+
+
 def standardized(loader, seed=0, fit=None):
     """(x, y, raw x) of a bundled sklearn data set, shuffled, features standardised with the statistics of
     the first `fit` examples (the train split; default all)."""
@@ -1521,7 +1544,6 @@ def test_batches_rebalanced_by_a_sampler_are_no_alarm(tmp_path, seed):
     the common class for all of the rare one), and holdout_at_chance said it was no better than that; the
     holdout's balanced accuracy, far over chance, now tells it apart from a model that knows nothing."""
     from sklearn.datasets import load_breast_cancer
-    from telemetry import TrainingTelemetry
 
     x, y, _ = standardized(load_breast_cancer, fit=400)
     keep = (y == 1) | torch.tensor(np.random.RandomState(seed).rand(len(y)) < 1 / 6)
@@ -1532,17 +1554,7 @@ def test_batches_rebalanced_by_a_sampler_are_no_alarm(tmp_path, seed):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt, yt), batch_size=16, sampler=sampler)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=5e-4)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=2)
-    tel.set_holdout_data(hold)
-    for epoch in range(15):
-        for i, (xb, yb) in enumerate(loader):
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
-            opt.zero_grad()
-    tel.close()
+    loader_run(tmp_path, model, torch.optim.Adam(model.parameters(), lr=5e-4), loader, hold, 15, 2)
     with torch.no_grad():
         predicted = model(xf).argmax(1)
     assert np.mean([(predicted[yf == c] == c).float().mean().item() for c in (0, 1)]) > 0.9
@@ -1636,7 +1648,6 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     from run.json's initial_lrs (the optimizer's lr, which the scheduler records). The same warmup stepped
     per step (50 steps), and a OneCycleLR, which starts at a 25th of its peak, train and are not told."""
     from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
 
     x, y, _ = standardized(load_digits, fit=1000)
     torch.manual_seed(0)
@@ -1649,23 +1660,11 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
         warm = 2000 if schedule == "warmup_per_epoch" else 50
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     base = opt.param_groups[0]["initial_lr"]
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data((x[1000:1050], y[1000:1050]))
-    gen = torch.Generator().manual_seed(0)
-    for epoch in range(epochs):
-        order = torch.randperm(1000, generator=gen)
-        for i in range(per_epoch):
-            idx = order[i * 32:(i + 1) * 32]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-            opt.zero_grad()
-            if schedule != "warmup_per_epoch":
-                scheduler.step()
-        if schedule == "warmup_per_epoch":
-            scheduler.step()
-    tel.close()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1000], y[:1000]), batch_size=32,
+                                         shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
+    by_epoch = schedule == "warmup_per_epoch"
+    loader_run(tmp_path, model, opt, loader, (x[1000:1050], y[1000:1050]), epochs, 5,
+               per_step=None if by_epoch else scheduler.step, per_epoch=scheduler.step if by_epoch else None)
     with torch.no_grad():
         fresh = (model(x[1100:]).argmax(1) == y[1100:]).float().mean()
     run, found = codes(tmp_path)
@@ -1684,7 +1683,6 @@ def test_an_index_after_the_labels_is_not_read_as_their_shares(tmp_path):
     compared those "classes" with the holdout's and warned of class_imbalance on a run that learns the
     digits. Values the holdout's classes cannot take are no labels of its: no comparison, no finding."""
     from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
 
     x, y, _ = standardized(load_digits, fit=1000)
 
@@ -1699,17 +1697,8 @@ def test_an_index_after_the_labels_is_not_read_as_their_shares(tmp_path):
                                          generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data((x[1000:1050], y[1000:1050]))
-    for epoch in range(5):
-        for i, (xb, yb, index) in enumerate(loader):
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb, index), loss=loss)
-            opt.zero_grad()
-    tel.close()
+    loader_run(tmp_path, model, torch.optim.Adam(model.parameters(), lr=2e-3), loader, (x[1000:1050], y[1000:1050]),
+               5, 5)
     with torch.no_grad():
         assert (model(x[1100:]).argmax(1) == y[1100:]).float().mean() > 0.9
     run, found = codes(tmp_path)
