@@ -2120,6 +2120,56 @@ def _profile_ratio(run: Run):
 VANISHED_RATIO = 1e-3
 
 
+def _cut_layers(run: Run):
+    """(layers whose gradient was exactly 0 at every collection, layers after them that had one, collections)
+    from grad_profile, or None. Exactly 0 from the first collection to the last is no gradient shrinking
+    with depth: nothing passes gradient back to those layers at all. A layer with no gradient is null there
+    (detached, unused), not 0; a layer of units that never fire, or a frozen layer whose weights are all 0,
+    gives exact zeros."""
+    layers = section_keys(run, "grad_profile", skip_overall=False)
+    if len(layers) < 2:
+        return None
+    m = np.vstack([column(run, ("grad_profile", k)) for k in layers])
+    seen = np.isfinite(m).any(axis=0)
+    if seen.sum() < 4:
+        return None
+    m = m[:, seen]
+    zero = [i for i in range(len(layers)) if np.isfinite(m[i]).all() and not m[i].any()]
+    if not zero:
+        return None
+    # a later layer that gets gradient at most collections: the loss reaches it, and not the ones before
+    after = [i for i in range(zero[-1] + 1, len(layers)) if np.mean(np.nan_to_num(m[i]) > 0) >= 0.9]
+    if not after:
+        return None
+    return [layers[i] for i in zero], [layers[i] for i in after], int(seen.sum())
+
+
+def check_gradient_cut(run: Run) -> list:
+    cut = _cut_layers(run)
+    if cut is None:
+        return []
+    zero, after, n = cut
+    # units that never fire cut the path too, and dead_units names them: dead from the first collection, as
+    # the gradient was 0 from it (the holdout may show a few firing where the batches fire none). Units that
+    # die later are what weight decay leaves of the layers cut off.
+    if any(first >= DEAD_SHARE for _, _, first, *_ in _unhealthy_units(run, "dead", DEAD_SHARE)):
+        return []
+    total, trainable = (_num(_get(run.meta, ["parameters", k])) for k in ("total", "trainable"))
+    frozen = total - trainable if math.isfinite(total) and math.isfinite(trainable) else 0
+    held = (f" The model holds {int(frozen):,} frozen parameter elements (requires_grad False), which these "
+            "records do not cover." if frozen > 0 else "")
+    return [Finding(
+        "gradient_cut", "critical",
+        f"no gradient reaches layers {', '.join(zero[:6])}{' and more' if len(zero) > 6 else ''}: their gradient "
+        f"was exactly 0 at every one of the {n} collections, from the first, while the layers after them "
+        f"({', '.join(after[:4])}{' and more' if len(after) > 4 else ''}) got one. That is no gradient fading "
+        "with depth: something between them and the loss multiplies it by 0 - a frozen layer whose weights are "
+        "all 0, a mask of zeros, or a layer of units that never fire." + held,
+        _steps_list([int(steps(run)[0])]), group=zero[0],
+        hint="Give the layer after them nonzero weights (a zero init trains only while the layer itself trains: "
+             "requires_grad_(True)), or remove the zero mask or factor on the path from these layers to the loss.")]
+
+
 def _starved_first_layers(run: Run):
     prof = _profile_ratio(run)
     if prof is None or len(prof[1]) < 4:
@@ -2143,7 +2193,8 @@ def _starved_first_layers(run: Run):
 
 
 def check_vanishing_gradients(run: Run) -> list:
-    layered = _starved_first_layers(run) or _starved_layers(run)
+    # layers that got exactly no gradient from the first collection on are gradient_cut's
+    layered = None if check_gradient_cut(run) else _starved_first_layers(run) or _starved_layers(run)
     found = [_shrinking_gradient(run, t) for t in _gradient_trends(run)] + [layered]
     return [f for f in found if f is not None]
 
@@ -3401,7 +3452,7 @@ CHECKS = (check_section_failed, check_restart_from_scratch, check_gradients_neve
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
           check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
           check_negative_loss, check_constant_inputs, check_labels_not_shifted, check_gradients_clipped,
-          check_integer_targets, check_dead_output, check_weights_collapsed, check_not_learning,
+          check_integer_targets, check_dead_output, check_gradient_cut, check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
           check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
@@ -3422,7 +3473,8 @@ STAGES = (
     ("section_failed", "restart_from_scratch", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer",
      "frozen_parameters", "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key",
      "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
-     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "weights_collapsed", "not_learning"),
+     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut", "weights_collapsed",
+     "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
@@ -3474,6 +3526,8 @@ FINDINGS = {
                         "indices fitted as numbers (right for an ordinal target, a mistake for classes)"),
     "dead_output": (("critical",), "analyzer", "every regression prediction is 0: the output passes through a "
                     "ReLU that never fires"),
+    "gradient_cut": (("critical",), "analyzer", "some layers get exactly no gradient from the first step on while "
+                     "later ones do: something multiplies it by 0 on the way back (a frozen layer of zeros)"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
                           "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
@@ -3529,7 +3583,8 @@ FINDINGS = {
 BLOWUPS = STAGES[2]   # events in time: they explain only what starts at or after them
 _AFTER_A_BLOWUP = BLOWUPS + STAGES[3] + ("not_learning",) + STAGES[4]
 # Parameters that cannot train leave the rest of the model to learn what it can: it may not be enough.
-_UNTRAINED_PART = ("frozen_group", "holdout_at_chance", "loss_stalled", "forgetting")
+# A part that never trains may hold zeros (a zero-initialised head) that pass no gradient to what is before it.
+_UNTRAINED_PART = ("frozen_group", "gradient_cut", "holdout_at_chance", "loss_stalled", "forgetting")
 # Inputs or targets far off scale blow a run up, kill or saturate its units and stall it from the start; a
 # lone loss spike is one batch's doing, not theirs.
 _OFF_SCALE = tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike")
@@ -3565,6 +3620,9 @@ CONSEQUENCES = {
     # no gradient passes the cut output: nothing trains, weight decay alone shrinks the weights, the units die
     "dead_output": ("weights_collapsed", "not_learning", "loss_stalled", "holdout_at_chance", "forgetting",
                     "vanishing_gradients", "dead_units", "unscaled_targets"),
+    # the layers cut off keep only what weight decay does to them, and the model learns with what is left
+    "gradient_cut": ("weights_collapsed", "not_learning", "frozen_group", "loss_stalled", "holdout_at_chance",
+                     "forgetting", "unscaled_targets", "vanishing_gradients", "dead_units"),
     # weights near 0 give about the same output for every input, and small gradients to the early layers
     "weights_collapsed": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "vanishing_gradients",
                           "dead_units"),

@@ -1813,6 +1813,49 @@ def test_a_regression_whose_output_passes_a_relu_is_named(tmp_path, relu_at_the_
         assert r2 > 0.3 and "dead_output" not in found and not [f for f in found.values() if f.severity != "info"]
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_frozen_zeroed_last_layer_is_named_as_a_cut_gradient(tmp_path, frozen):
+    """Diabetes, standardised, an MLP whose last Linear's weight is zero-initialised. Frozen there
+    (requires_grad_(False), the optimizer given the trainable parameters), no gradient reaches the layers before
+    it, the model predicts one value for every input, and weight decay alone shrinks what cannot learn. The
+    analyzer led with weights_collapsed, hinting at a lower weight decay, and called the cut vanishing gradients
+    with a hint of residual connections; gradient_cut now leads. Left to train, the same zero init fits (a
+    fresh R^2 over 0.3) and is not told."""
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(y))
+    x, y = x[order], y[order]
+    x, y = (x - x[:300].mean(0)) / x[:300].std(0), (y - y[:300].mean()) / y[:300].std()
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+    nn.init.zeros_(model[4].weight)
+    model[4].weight.requires_grad_(not frozen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    loss_fn = lambda out, target: F.mse_loss(out.squeeze(-1), target)  # noqa: E731
+    sampled_run(tmp_path, model, x[:300], y[:300], (x[300:350], y[300:350]), 400, 32,
+                opt=torch.optim.Adam(trainable, lr=3e-3, weight_decay=1e-4), loss_fn=loss_fn)
+    with torch.no_grad():
+        fresh = model(x[350:]).squeeze(-1)
+    r2 = 1 - F.mse_loss(fresh, y[350:]) / y[350:].var(unbiased=False)
+    # what a manual backward on a fresh batch gives the first two layers
+    model.zero_grad()
+    loss_fn(model(x[350:]), y[350:]).backward()
+    first = torch.cat([p.grad.reshape(-1) for p in list(model[0].parameters()) + list(model[2].parameters())])
+    run, found = codes(tmp_path)
+    if frozen:
+        assert not first.any() and r2 <= 0.01
+        top = at.diagnose(run)[0]
+        under = {c.code for c in at.every_finding(top.consequences)}
+        assert top.code == "gradient_cut" and "layers 0, 2" in top.message and "(4)" in top.message
+        assert "32 frozen parameter elements" in top.message and "weights_collapsed" in under
+        assert "vanishing_gradients" not in found
+    else:
+        assert first.any() and r2 > 0.3
+        assert "gradient_cut" not in found and not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set

@@ -75,6 +75,8 @@ PROBLEMS: Dict[str, tuple] = {
     "warmup_per_epoch": ({"lr_below_base"}, {"lr_below_base"}),
     # the optimizer holds the first instance of the model; the one trained is in no group
     "stale_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
+    # the head's weight zeroed and frozen: no gradient passes back to the layers before it
+    "zero_frozen_head": ({"gradient_cut"}, {"gradient_cut"}),
 }
 
 
@@ -223,6 +225,8 @@ SPECS: List[Spec] = [
     S("warmup_per_epoch", "mlp-digits-adam-warmup2000", "classifier", **digits(opt="adam", lr=1e-3, schedule="warmup",
                                                                                 warmup=2000)),
     S("stale_optimizer", "mlp-digits-adam-model-built-again", "classifier", **digits(opt="adam", lr=1e-3)),
+    S("zero_frozen_head", "mlp-digits-adam-head-zeroed-frozen", "classifier", **digits(opt="adam", lr=1e-3)),
+    S("zero_frozen_head", "mlp-breast-cancer-sgd-head-zeroed-frozen-dict", "classifier", **cancer(opt="sgd", lr=0.01)),
 ]
 
 

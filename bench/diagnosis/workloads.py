@@ -176,6 +176,8 @@ def make_optimizer(model: nn.Module, spec: Dict[str, Any]) -> torch.optim.Optimi
                   {"params": list(model.head.parameters()), "lr": lr * spec.get("head_mult", 10), "name": "head"}]
     elif spec.get("plant") == "not_in_optimizer":  # the neck is in no group: its gradient accumulates forever
         groups = [{"params": list(model.backbone.parameters()) + list(model.head.parameters())}]
+    elif spec.get("plant") == "zero_frozen_head":  # the optimizer gets the trainable tensors, as usual when freezing
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     else:
         groups = [{"params": list(model.parameters())}]
     kind, decay = spec["opt"], spec.get("weight_decay")  # decay: SGD's and Adam's 0, AdamW's 0.01 unless given
@@ -297,6 +299,9 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, regression: boo
 
 def init_plants(model: nn.Module, spec: Dict[str, Any]) -> None:
     plant = spec.get("plant")
+    if plant == "zero_frozen_head":  # the head's weight zeroed and frozen (its bias trains): the output ignores the inputs
+        nn.init.zeros_(model.head.weight)
+        model.head.weight.requires_grad_(False)
     with torch.no_grad():
         if plant == "dead_relu":  # first-layer biases far below zero: those ReLUs never fire
             model.backbone[0].bias.fill_(spec.get("dead_bias", -5.0))
@@ -586,6 +591,17 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(acc <= band, f"lr peak {peak:.1e}, test acc {acc:.3f}",
                        f"test acc {acc:.3f} (needs <= {band:.3f}: chance + 3 binomial sigmas); the lr peaked at "
                        f"{peak:.2e}, {peak / spec['lr']:.2%} of the optimizer's {spec['lr']:g}")
+    if plant == "zero_frozen_head":  # no gradient reaches the backbone, and the model predicts one class
+        x, y = ctx["data"].x["test"], ctx["data"].y["test"]
+        model.zero_grad()
+        _classification_loss(model.train()(x), y).backward()
+        cut = all(p.grad is not None and not p.grad.any() for p in model.backbone.parameters())
+        # a model that predicts one class scores that class's share: the majority's at most
+        band = max(_chance_band(ctx["data"].num_classes, len(y)), float(np.bincount(y.numpy()).max()) / len(y))
+        return Verdict(cut and acc <= band + 1e-6, f"backbone grads all 0={cut}, test acc {acc:.3f}",
+                       f"a backward on the test set leaves every backbone gradient exactly 0: {cut} (needs True); "
+                       f"test acc {acc:.3f} (needs <= {band:.3f}: chance + 3 binomial sigmas, or the majority class's "
+                       "share)")
     if plant == "stale_optimizer":  # the optimizer steps the first instance: the trained one never changes
         same = _identical(model, start)
         return Verdict(same, f"weights bit-identical={same}, test acc {acc:.3f}",
