@@ -2513,10 +2513,14 @@ def check_holdout_at_chance(run: Run) -> list:
     if spread is not None and spread[0] < FLAT_PREDICTIONS * spread[1] and abs(spread[2]) < FLAT_MEAN * spread[1]:
         why += (f"; its predictions barely vary (standard deviation {_fmt(spread[0])} against the targets' "
                 f"{_fmt(spread[1])}) and sit at the targets' mean: about that one value for every example")
+        outputs = _num(h.raw[-1].get("outputs", 1)) if h.raw else 1
         hint = ("One value for everything is what a squared error minimises when each output is compared with every "
                 "target: an [N, 1] output against [N] targets in mse_loss broadcasts to [N, N] (PyTorch warns of "
                 "a target size different to the input size), so compare output[:, 0] or targets of shape [N, 1]. "
-                "Else check that the targets line up with the inputs.")
+                "Else check that the targets line up with the inputs." if outputs == 1 else
+                "The targets' mean for every example is what a model learns from targets that say nothing about "
+                "the inputs: check that the targets line up with the inputs (an array shuffled or sorted apart "
+                "from them, the wrong column or file).")
     return [Finding("holdout_at_chance", "critical", why + extra + ".", _steps_list(where), hint=hint)]
 
 
@@ -3236,6 +3240,16 @@ def check_dead_units(run: Run) -> list:
         return []
     n = _get(run.meta, ["holdout", "examples"])
     died = [r[0] for r in rows if r[2] < DEAD_SHARE]
+    if len(died) == len(rows) and check_loss_stalled(run):
+        # They died while the train loss had learned nothing from the start: targets that carry no signal for
+        # the inputs leave a model that outputs their mean, and units it does not need drift off. The deaths
+        # follow from the stall, not the other way.
+        return [Finding(
+            "dead_units", "info", f"{len(rows)} ReLU layer(s) with most units dead (never firing): "
+            + _units_text(rows, "dead", n) + f". {', '.join(died)} died during training, while the train loss "
+            "stayed at the chance level from the start: units a model that learns nothing does not need.",
+            _steps_list(sorted(r[3] for r in rows)), group=rows[0][0], explains_only=(),
+            hint="Find why the loss learned nothing first (the findings above); the units are not why.")]
     when = (f" {', '.join(died)} died during training, the sign of steps too large for the layer"
             if died else f" They were dead already at the first collection (step {rows[0][3]}): the init or the "
             "biases, or a blow-up in the first steps")
@@ -3564,7 +3578,7 @@ FINDINGS = {
     "grad_explosion": (("critical",), "telemetry", "alert: the gradient norm many times its rolling median (not "
                        "while the loss falls through its own noise band)"),
     "loss_oscillating": (("warning",), "analyzer", "the loss swings up and down instead of falling"),
-    "dead_units": (("warning",), "analyzer", "ReLU units that never fire on the holdout"),
+    "dead_units": (("info", "warning"), "analyzer", "ReLU units that never fire on the holdout"),
     "saturated_units": (("warning",), "analyzer", "tanh/sigmoid units stuck at their limits on the holdout"),
     "vanishing_gradients": (("warning",), "analyzer", "the first layers' gradients are tiny against the last "
                             "ones'"),

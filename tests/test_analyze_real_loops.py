@@ -1856,6 +1856,38 @@ def test_a_frozen_zeroed_last_layer_is_named_as_a_cut_gradient(tmp_path, frozen)
         assert "gradient_cut" not in found and not [f for f in found.values() if f.severity != "info"], found
 
 
+@pytest.mark.parametrize("shuffled", [True, False])
+def test_an_autoencoder_on_shuffled_targets_is_not_blamed_on_its_dead_units(tmp_path, shuffled):
+    """A digits autoencoder (64-32-12-32-64, ReLU, Adam, MSE) whose targets are other images than its inputs
+    learns the mean image: on fresh digits it scores no better than that. Units of a layer it does not need
+    die along the way, and the analyzer led with dead_units, "the sign of steps too large", hinting at a lower
+    learning rate. They died while the loss stayed at chance from the start, so they are now an info that
+    explains nothing; holdout_at_chance leads, and its hint, for 64 outputs, is the targets, not a broadcast
+    of one output. On its own inputs as targets the same loop reconstructs them and is not told."""
+    from sklearn.datasets import load_digits
+
+    x, _ = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16, dtype=torch.float32)
+    train, held, fresh = x[:1300], x[1300:1400], x[1400:]
+    targets = train[torch.randperm(1300, generator=torch.Generator().manual_seed(0))] if shuffled else train
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 12), nn.ReLU(), nn.Linear(12, 32), nn.ReLU(),
+                          nn.Linear(32, 64))
+    sampled_run(tmp_path, model, train, targets, (held, held), 1000, 32, lr=3e-3, loss_fn=F.mse_loss)
+    with torch.no_grad():
+        mse = float(F.mse_loss(model(fresh), fresh))
+    mean_image = float(F.mse_loss(train.mean(0).expand_as(fresh), fresh))
+    run, found = codes(tmp_path)
+    if shuffled:
+        assert mse > 0.95 * mean_image
+        top = at.diagnose(run)[0]
+        assert top.code == "holdout_at_chance" and "line up with the inputs" in top.hint and "[N, 1]" not in top.hint
+        if "dead_units" in found:
+            assert found["dead_units"].severity == "info" and "steps too large" not in found["dead_units"].message
+    else:
+        assert mse < 0.5 * mean_image and not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
     """The digits MLP with SGD (momentum 0.9) and clip_grad_norm_(max_norm=1e-3) at every step: each step is
     lr x 1e-3 long whatever the loss, the weights move 0.2% of their norm over the run and a fresh test set
