@@ -2840,6 +2840,43 @@ def _train_set_size(run: Run):
     return float(np.median(size[ok])) * (st[ok][-1] - st[ok][0]) / (ep[ok][-1] - ep[ok][0])
 
 
+# A holdout that scores this many times the share of positions the training batches supervise measures mostly
+# positions the training never teaches (a prompt masked in training and not in the holdout: a few times; one
+# answer token per sequence against whole sequences: tens of times).
+UNTRAINED_POSITIONS = 4.0
+
+
+def check_holdout_positions_untrained(run: Run) -> list:
+    """A language model's holdout scored on a far larger share of its positions (run.json's scored_tokens over
+    label_positions) than the training batches supervise (their label_share, labels other than -100): most
+    of what the holdout scores, the training never asks for. Either the training's labels hide what should
+    train (a mask set to -100 beyond the answer), or the holdout lacks the training's mask."""
+    h = holdout_data(run)
+    held, positions, entropy = (_get(run.meta, ["holdout", k]) for k in ("scored_tokens", "label_positions",
+                                                                          "token_entropy"))
+    share = _finite(column(run, "batch_stats.label_share"))
+    if not h or h.kind != "lm" or not _has_type(held, int) or not _has_type(positions, int) or positions <= 0 \
+            or len(share) < 3:
+        return []
+    trained, scored = float(np.median(share)), held / positions
+    if not (0 < trained and scored >= UNTRAINED_POSITIONS * trained):
+        return []
+    late = _late(h, h.loss)
+    at_chance = late is not None and _has_type(entropy, (int, float)) and late[0] >= entropy
+    level = (f" Its loss ended at {_fmt(late[0])} nats a token (steps {late[1]}-{late[2]}), no lower than the "
+             f"{_fmt(entropy)} of the tokens' own frequencies: the model predicts those positions at chance."
+             if at_chance else "")
+    return [Finding(
+        "holdout_positions_untrained", "critical" if at_chance else "warning",
+        f"the training batches supervise {_fmt(100 * trained)}% of their label positions (a median over "
+        f"{len(share)} batches; the others are -100), while the holdout is scored on {_fmt(100 * scored)}% of its "
+        f"own ({held} tokens of {positions}): most of what it scores, the training never asks for." + level,
+        _steps_list([int(steps(run)[0])]),
+        hint="If every position should train, the labels hide most of them: set -100 only on what must not train "
+             "(padding, the prompt), not beyond the answer. If only the answers should train (the prompt masked), "
+             "give the holdout the same mask, so that it scores what the training teaches.")]
+
+
 def check_padding_supervised(run: Run) -> list:
     """Padding positions (attention_mask 0) whose labels are not IGNORE_INDEX, in most of a language model's
     train batches: the loss trains the model to predict the pad token, and a holdout built the same way
@@ -3468,10 +3505,11 @@ CHECKS = (check_section_failed, check_restart_from_scratch, check_gradients_neve
           check_negative_loss, check_constant_inputs, check_labels_not_shifted, check_gradients_clipped,
           check_integer_targets, check_dead_output, check_gradient_cut, check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
-          check_padding_supervised, check_unscaled_inputs, check_unscaled_targets, check_class_imbalance,
-          check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients, check_loss_oscillating,
-          check_dead_units, check_saturated_units, check_vanishing_gradients, check_loss_stalled,
-          check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts, check_metric_errors)
+          check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_unscaled_targets,
+          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
+          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
+          check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
+          check_metric_errors)
 
 
 CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (a bug in this file)
@@ -3490,7 +3528,7 @@ STAGES = (
      "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut", "weights_collapsed",
      "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
-     "class_imbalance"),
+     "holdout_positions_untrained", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
     ("dead_units", "saturated_units", "vanishing_gradients", "frozen_group"),
@@ -3540,6 +3578,9 @@ FINDINGS = {
                         "indices fitted as numbers (right for an ordinal target, a mistake for classes)"),
     "dead_output": (("critical",), "analyzer", "every regression prediction is 0: the output passes through a "
                     "ReLU that never fires"),
+    "holdout_positions_untrained": (("warning", "critical"), "analyzer", "a language model's holdout is scored on "
+                                    "a far larger share of positions than the training supervises: it measures "
+                                    "what the training never teaches"),
     "gradient_cut": (("critical",), "analyzer", "some layers get exactly no gradient from the first step on while "
                      "later ones do: something multiplies it by 0 on the way back (a frozen layer of zeros)"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
@@ -3634,6 +3675,8 @@ CONSEQUENCES = {
     # no gradient passes the cut output: nothing trains, weight decay alone shrinks the weights, the units die
     "dead_output": ("weights_collapsed", "not_learning", "loss_stalled", "holdout_at_chance", "forgetting",
                     "vanishing_gradients", "dead_units", "unscaled_targets"),
+    # scored where the training never teaches, the holdout shows no learning, or a loss that rises apart from it
+    "holdout_positions_untrained": ("holdout_at_chance", "overfitting", "forgetting"),
     # the layers cut off keep only what weight decay does to them, and the model learns with what is left
     "gradient_cut": ("weights_collapsed", "not_learning", "frozen_group", "loss_stalled", "holdout_at_chance",
                      "forgetting", "unscaled_targets", "vanishing_gradients", "dead_units"),

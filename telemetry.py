@@ -4703,21 +4703,25 @@ class _Holdout:
     def token_entropy(self) -> Dict[str, Any]:
         """For a holdout of token sequences (a language model's, [examples, positions]), the entropy in nats of
         its scored tokens' own frequencies, for run.json: the least loss a model that ignores the context can
-        score on it. Empty for other holdouts (a segmentation's pixels too)."""
+        score on it, and how many of its positions are scored: set against the share of positions the training
+        batches supervise (their label_share), it tells a holdout scored where training never teaches. Empty
+        for other holdouts (a segmentation's pixels too)."""
         try:
-            targets = []
+            targets, positions = [], 0
             for batch in self.batches:
                 got = holdout_labels(batch, self.config.batch_label_key, self.labels)[0]
                 if self.regression or got.is_floating_point() or got.dim() != 2 or got.shape[1] < 2:
                     return {}
                 got = got.detach()[:, 1:] if self.shift else got.detach()  # as language_model_holdout scores them
                 targets.append(got[got != IGNORE_INDEX].cpu())
+                positions += got.numel()
             _, counts = torch.cat(targets).unique(return_counts=True)
         except Exception:  # what telemetry only describes never stops set_holdout_data
             return {}
         n = int(counts.sum())
         shares = counts.double() / max(n, 1)
-        return {"token_entropy": float(-(shares * shares.log()).sum()), "scored_tokens": n} if n else {}
+        return {"token_entropy": float(-(shares * shares.log()).sum()), "scored_tokens": n,
+                "label_positions": positions} if n else {}
 
     def overlap_sums(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
         """Two sums of each of a training batch's first OVERLAP_ROWS examples' inputs, [rows, 2] in float64 on
