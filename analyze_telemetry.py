@@ -1592,7 +1592,9 @@ def check_negative_loss(run: Run) -> list:
     cross-entropy against a target above 1 (labels 1 and 2) falls without end as the logit grows: the model
     lowers them by growing its outputs until they overflow. The lowest finite loss is under 0 and 10 times as far
     from 0 as the first fifth's median (or 1, if more), in a run with class labels (batch counts or a
-    holdout); a run that reached NaN counts its finite losses before it."""
+    holdout); a run that reached NaN counts its finite losses before it. Or the loss is below 0 from the first
+    collection on (90% of its values): a divergence between class distributions given probabilities where it
+    expects log-probabilities, which need not fall far."""
     h = holdout_data(run)
     classes = h is not None and h.kind == "classification" or bool(section_keys(run, "batch_stats.counts",
                                                                                  skip_overall=False))
@@ -1603,6 +1605,21 @@ def check_negative_loss(run: Run) -> list:
         return []
     first = float(np.median(x[:max(1, len(x) // 5)]))
     i = int(np.argmin(x))
+    hint = ("Use F.cross_entropy on the logits, or F.nll_loss on log_softmax(logits): nll_loss expects "
+            "log-probabilities, and so does the input of KLDivLoss / F.kl_div (distillation: "
+            "F.kl_div(F.log_softmax(student / T, -1), F.softmax(teacher / T, -1), reduction='batchmean')). Binary "
+            "targets must be 0 and 1 (labels 1 and 2 minus 1).")
+    below = int((x < 0).sum())
+    if x[i] >= -10 * max(abs(first), 1.0) and len(x) >= 5 and below >= 0.9 * len(x) and first < 0:
+        # Below 0 from the first collection, and staying there: no fall to see, but a cross-entropy, a KL
+        # divergence or a focal loss of class probabilities cannot be negative at all.
+        return [Finding(
+            "negative_loss", "critical",
+            f"the train loss of a classifier is below 0 at {below} of its {len(x)} finite values, from the first "
+            f"(a median {_fmt(first)} over the first fifth, {_fmt(float(x[i]))} at its lowest). A loss on class "
+            "probabilities is never negative: cross-entropy, KL divergence and focal loss are 0 at best. KLDivLoss "
+            "(F.kl_div) given probabilities where it expects log-probabilities is, and so is NLLLoss on raw "
+            "outputs.", _steps_list([st[0], st[i]]), hint=hint)]
     if not x[i] < -10 * max(abs(first), 1.0):
         return []
     return [Finding(
@@ -1611,9 +1628,7 @@ def check_negative_loss(run: Run) -> list:
         f"first fifth of its finite values to {_fmt(float(x[i]))} at step {int(st[i])}. A loss on class "
         "probabilities is never negative. NLLLoss on raw outputs (minus the label's output) is, and so is binary "
         "cross-entropy against targets above 1: the model lowers them by growing its outputs without end.",
-        _steps_list([st[0], st[i]]),
-        hint="Use F.cross_entropy on the logits, or F.nll_loss on log_softmax(logits): nll_loss expects "
-             "log-probabilities. Binary targets must be 0 and 1 (labels 1 and 2 minus 1).")]
+        _steps_list([st[0], st[i]]), hint=hint)]
 
 
 COPIED = 0.8   # a language model whose top prediction is the token at its own position this often copies its input

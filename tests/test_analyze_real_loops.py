@@ -2128,6 +2128,44 @@ def test_nll_loss_on_raw_logits_is_named_not_the_learning_rate(tmp_path):
             assert "negative_loss" not in found, found
 
 
+def test_distillation_with_probabilities_into_kl_div_is_a_negative_loss(tmp_path):
+    """A digits MLP distilled from a scikit-learn logistic regression's probabilities with KLDivLoss, given
+    the student's probabilities where it expects log-probabilities: the recorded loss (checked against the
+    loop's) is below 0 from the first step, and on fresh digits the student trails the same loop given
+    log_softmax. The analyzer said nothing: negative_loss looked only for a fall without bound. It now fires
+    on a classifier's loss that is below 0 from the first collection on; the correct loop stays quiet."""
+    from sklearn.datasets import load_digits
+    from sklearn.linear_model import LogisticRegression
+
+    def seen(record, _, loss):
+        assert record["loss"] == pytest.approx(loss.item(), rel=1e-6)
+
+    x, y = load_digits(return_X_y=True)
+    teacher = LogisticRegression(max_iter=2000).fit(x[:1000] / 16.0, y[:1000])
+    t = 4.0   # the distillation temperature, on both sides, and the loss scaled by t^2
+    probs = F.softmax(torch.tensor(teacher.decision_function(x[:1000] / 16.0), dtype=torch.float32) / t, -1)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    accuracy = {}
+    for name in ("probabilities", "log_softmax"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        given = F.softmax if name == "probabilities" else F.log_softmax
+        sampled_run(tmp_path / name, model, x[:1000], probs, (x[1000:1100], y[1000:1100]), 400, 32,
+                    lambda out, p: nn.KLDivLoss(reduction="batchmean")(given(out / t, -1), p) * t * t, lr=3e-3,
+                    first=1, seen=seen)
+        with torch.no_grad():
+            accuracy[name] = (model(x[1100:]).argmax(1) == y[1100:]).float().mean().item()
+    # 0.890 against 0.927 here
+    assert accuracy["probabilities"] < accuracy["log_softmax"] - 0.02, accuracy
+    for name in accuracy:
+        run, found = codes(tmp_path / name)
+        if name == "probabilities":
+            assert (column := at.column(run, "loss"))[0] < 0 and (column < 0).all()
+            assert at.diagnose(run)[0].code == "negative_loss" and "kl_div" in found["negative_loss"].hint
+        else:
+            assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_binary_labels_one_and_two_under_bce_are_a_negative_loss(tmp_path):
     """Breast cancer's labels shifted to 1 and 2 into BCEWithLogitsLoss, which does not check its targets:
     against a target of 2 the loss is softplus(x) - 2x, which falls without end as the logit grows, so every
