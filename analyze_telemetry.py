@@ -1194,32 +1194,43 @@ def check_lr_collapsed(run: Run) -> list:
 
 
 LR_BELOW_BASE = 0.01   # every group's learning rate under this share of the lr its scheduler started from
+# OneCycleLR starts at max_lr / 25 and climbs to max_lr over the first 30% of its steps: a run that never gets
+# past this share of it stepped the schedule once per epoch, or stopped long before the schedule's end.
+LR_BELOW_MAX = 0.25
 
 
 def check_lr_below_base(run: Run) -> list:
     """The learning rate never came near the one set on the optimizer: every group that a scheduler drives
     stayed, over the whole run, under LR_BELOW_BASE of the lr the scheduler started from (its initial_lr,
-    which telemetry lists in run.json). A warmup that counts optimizer steps stepped once per epoch, or one
+    which telemetry lists in run.json), or under LR_BELOW_MAX of the max_lr a OneCycleLR climbs to. A warmup that counts optimizer steps stepped once per epoch, or one
     longer than the run, or a schedule's factor off by orders of magnitude: the run trains at a rate its
     author never chose, and a stalled loss asks for a learning rate 3-10x higher when it is 100x."""
-    bases = run.meta.get("initial_lrs")
+    bases, tops = (run.meta.get(key) if isinstance(run.meta.get(key), dict) else {}
+                   for key in ("initial_lrs", "max_lrs"))
     peaks = {}
-    for g, base in (bases.items() if isinstance(bases, dict) else []):
+    for g in list(bases) + [g for g in tops if g not in bases]:
+        # OneCycleLR's peak, where it set one: its initial_lr is only where it starts
+        base, share = (tops[g], LR_BELOW_MAX) if g in tops else (bases[g], LR_BELOW_BASE)
         lr = _finite(column(run, ("learning_rates", g)))
         if not _has_type(base, (int, float)) or not base > 0 or len(lr) < 8:
             continue
-        peaks[g] = (float(lr.max()), float(base))
-    if not peaks or any(peak >= LR_BELOW_BASE * base for peak, base in peaks.values()):
+        peaks[g] = (float(lr.max()), float(base), share, g in tops)
+    if not peaks or any(peak >= share * base for peak, base, share, _ in peaks.values()):
         return []
-    said = "; ".join(f"group '{g}' peaked at {_fmt(peak)} against {_fmt(base)} ({peak / base:.2%})"
-                     for g, (peak, base) in peaks.items())
+    said = "; ".join(f"group '{g}' peaked at {_fmt(peak)} against {_fmt(base)} ({peak / base:.2%}"
+                     + (", its OneCycleLR's max_lr)" if cycle else ")") for g, (peak, base, _, cycle) in peaks.items())
+    cycles = any(cycle for *_, cycle in peaks.values())
     return [Finding(
         "lr_below_base", "warning",
-        f"the learning rate stayed under {LR_BELOW_BASE:.0%} of the lr its scheduler started from (the "
-        f"optimizer's lr, its initial_lr) over the whole run: {said}.", _steps_list(steps(run)[:1]),
-        hint="A warmup (LambdaLR, LinearLR, get_linear_schedule_with_warmup) whose length counts optimizer steps "
-             "but that is stepped once per epoch, or that is longer than the run: call scheduler.step() after "
-             "every optimizer.step(), or shorten the warmup; else check the schedule's factor.")]
+        "the learning rate never came near the one its scheduler was given, over the whole run ("
+        + " or ".join(([f"under {LR_BELOW_MAX:.0%} of OneCycleLR's max_lr"] if cycles else [])
+                      + ([f"under {LR_BELOW_BASE:.0%} of the lr it started from, the optimizer's lr"]
+                         if not all(cycle for *_, cycle in peaks.values()) else []))
+        + f"): {said}.", _steps_list(steps(run)[:1]),
+        hint="A schedule that counts optimizer steps (a warmup: LambdaLR, LinearLR, "
+             "get_linear_schedule_with_warmup; OneCycleLR's total_steps) but is stepped once per epoch, or that is "
+             "longer than the run: call scheduler.step() after every optimizer.step(), or give it the run's "
+             "length (OneCycleLR(..., epochs=E, steps_per_epoch=len(loader))); else check the schedule's factor.")]
 
 
 def check_ignored_group_key(run: Run) -> list:

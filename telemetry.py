@@ -3213,6 +3213,7 @@ class _Layout:
     ignored: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)  # see ignored_group_keys
     # optimizer group -> the lr its scheduler started from (the key LR schedulers add to a param group)
     initial_lrs: Dict[str, float] = dataclasses.field(default_factory=dict)
+    max_lrs: Dict[str, float] = dataclasses.field(default_factory=dict)  # the peak OneCycleLR puts in a group
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     # device -> by_group's rows there: the overall one (the first partition's rows added up), then the membership
     totals: Dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -3372,8 +3373,9 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
                      outside=[(n, p) for n, p in every if p.requires_grad and id(p) not in held_ids])
     layout.complex = [(n, p) for n, p in held if p.requires_grad and p.is_complex()]
     layout.ignored = ignored_group_keys(optimizer, opt_names)
-    layout.initial_lrs = {n: float(g["initial_lr"]) for n, g in zip(opt_names, opt_groups)
-                          if type(g.get("initial_lr")) in (int, float) and math.isfinite(g["initial_lr"])}
+    layout.initial_lrs, layout.max_lrs = ({n: float(g[key]) for n, g in zip(opt_names, opt_groups)
+                                           if type(g.get(key)) in (int, float) and math.isfinite(g[key])}
+                                          for key in ("initial_lr", "max_lr"))
     model_ids = {id(p) for _, p in every}
     if held:  # else the optimizer holds copies of the weights (master weights), not the model's tensors
         layout.beyond = [(opt_names[gi], p) for gi, g in enumerate(opt_groups) for p in g["params"]
@@ -3517,6 +3519,8 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
         info["ignored_group_keys"] = layout.ignored
     if layout.initial_lrs:
         info["initial_lrs"] = layout.initial_lrs
+    if layout.max_lrs:
+        info["max_lrs"] = layout.max_lrs
     if layout.complex:
         info["complex"] = count(layout.complex)
     if layout.beyond:

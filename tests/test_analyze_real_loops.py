@@ -1680,13 +1680,15 @@ def test_gradients_that_grow_as_a_transformer_starts_learning_are_no_explosion(t
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
-@pytest.mark.parametrize("schedule", ["warmup_per_epoch", "warmup_per_step", "one_cycle"])
+@pytest.mark.parametrize("schedule", ["warmup_per_epoch", "warmup_per_step", "one_cycle", "one_cycle_per_epoch"])
 def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     """The digits MLP with Adam at 2e-3 behind a LambdaLR warmup of 2,000 steps that the loop steps once per
     epoch: over 8 epochs the learning rate never passes 8e-6, and the model stays at chance on fresh digits.
     The analyzer said the loss stalled and hinted at a learning rate 3-10x higher. lr_below_base now leads,
     from run.json's initial_lrs (the optimizer's lr, which the scheduler records). The same warmup stepped
-    per step (50 steps), and a OneCycleLR, which starts at a 25th of its peak, train and are not told."""
+    per step (50 steps), and a OneCycleLR, which starts at a 25th of its peak, train and are not told. A
+    OneCycleLR stepped once per epoch never leaves its start and trails on fresh digits; the analyzer said
+    nothing, since its initial_lr is that start. lr_below_base now reads its max_lr (run.json's max_lrs)."""
     from sklearn.datasets import load_digits
 
     x, y, _ = standardized(load_digits, fit=1000)
@@ -1694,7 +1696,7 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     per_epoch, epochs = 1000 // 32, 8
-    if schedule == "one_cycle":
+    if schedule.startswith("one_cycle"):
         scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=per_epoch * epochs)
     else:
         warm = 2000 if schedule == "warmup_per_epoch" else 50
@@ -1702,7 +1704,7 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     base = opt.param_groups[0]["initial_lr"]
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1000], y[:1000]), batch_size=32,
                                          shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
-    by_epoch = schedule == "warmup_per_epoch"
+    by_epoch = schedule.endswith("per_epoch")
     loader_run(tmp_path, model, opt, loader, (x[1000:1050], y[1000:1050]), epochs, 5,
                per_step=None if by_epoch else scheduler.step, per_epoch=scheduler.step if by_epoch else None)
     with torch.no_grad():
@@ -1710,9 +1712,13 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     run, found = codes(tmp_path)
     assert run.meta["initial_lrs"] == {"group_0": pytest.approx(base)}
     lrs = [r["learning_rates"]["group_0"] for r in run.records]
+    assert run.meta.get("max_lrs") == ({"group_0": 2e-3} if schedule.startswith("one_cycle") else None)
     if schedule == "warmup_per_epoch":
         assert fresh < 0.2 and max(lrs) < 0.005 * 2e-3
         assert at.diagnose(run)[0].code == "lr_below_base" and "0.40%" in found["lr_below_base"].message
+    elif schedule == "one_cycle_per_epoch":
+        assert fresh < 0.9 and max(lrs) < 0.1 * 2e-3, (fresh, max(lrs))
+        assert at.diagnose(run)[0].code == "lr_below_base" and "max_lr" in found["lr_below_base"].message
     else:
         assert fresh > 0.9 and "lr_below_base" not in found, found
 
