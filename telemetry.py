@@ -2780,6 +2780,12 @@ class _AlertMonitor:
         pending, self.pending = self.pending, []
         return pending
 
+    def measured_other_tensors(self) -> None:
+        """The trainable tensors changed (a backbone unfrozen, a group added): the overall gradient norm is now
+        another sum, and the old one's history says nothing of it (a head's alone is far below the whole
+        model's)."""
+        self.history["grad"].clear()
+
     def _loss_spikes(self, record):
         loss = record.get("loss")
         if not _finite_number(loss):
@@ -5446,7 +5452,10 @@ class TrainingTelemetry:
             fingerprint = model_fingerprint(model)
             if self._layout is None and self._files.resumed and self._files.info.get("model") not in (None, fingerprint):
                 self._move_on(fingerprint)
+            before = self._layout
             self._layout, partitions = build_layout(model, optimizer, self.config)
+            if before is not None and [id(p) for p in before.params] != [id(p) for p in self._layout.params]:
+                self._alerts.measured_other_tensors()
             self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
             if self._layout.outside:
                 names = [n for n, _ in self._layout.outside]

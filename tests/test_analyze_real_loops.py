@@ -1680,6 +1680,54 @@ def test_gradients_that_grow_as_a_transformer_starts_learning_are_no_explosion(t
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_unfreezing_an_encoder_raises_no_gradient_alert(tmp_path):
+    """A 2-layer BERT classifying lines of standard-library source by module, its encoder frozen for the first
+    epoch (the head alone trains), then unfrozen and added to the optimizer as a group of its own. The overall
+    gradient norm is then the whole model's, far above the head's alone: telemetry's live alert compared it
+    with the head's rolling median and raised a critical grad_explosion on a run that goes on to learn (0.71
+    on fresh lines after three epochs, a quarter by chance). The gradient history now starts again when
+    the trainable tensors change."""
+    import transformers
+
+    from telemetry import TrainingTelemetry
+
+    ids, mask, labels, vocab = source_lines_by_module(["argparse", "typing", "subprocess", "tarfile"])
+    n = len(labels)
+    train, held, fresh = slice(0, int(0.7 * n)), slice(int(0.7 * n), int(0.7 * n) + 100), slice(int(0.7 * n) + 100, n)
+    torch.manual_seed(2)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=16, num_labels=4))
+    model.bert.requires_grad_(False)
+    opt = torch.optim.AdamW(model.classifier.parameters(), lr=2e-3)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=10)
+    tel.set_holdout_data({"input_ids": ids[held], "attention_mask": mask[held], "labels": labels[held]})
+    gen, per_epoch = torch.Generator().manual_seed(2), int(0.7 * n) // 32
+    for epoch in range(3):
+        if epoch == 1:
+            model.bert.requires_grad_(True)
+            opt.add_param_group({"params": model.bert.parameters()})
+        order = torch.randperm(int(0.7 * n), generator=gen)
+        for i in range(per_epoch):
+            pick = order[i * 32:(i + 1) * 32]
+            batch = {"input_ids": ids[train][pick], "attention_mask": mask[train][pick], "labels": labels[train][pick]}
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=batch, loss=loss)
+            opt.zero_grad()
+    tel.close()
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(input_ids=ids[fresh], attention_mask=mask[fresh]).logits.argmax(1) == labels[fresh]).float()
+    run, found = codes(tmp_path)
+    norms = [(r["step"], r["gradient_norm"]["overall"]) for r in run.records]
+    head = np.median([g for s, g in norms if s <= per_epoch])
+    assert accuracy.mean() > 0.6 and max(g for s, g in norms if s > per_epoch) > 10 * head
+    assert not [r["alerts"] for r in run.records if r.get("alerts")]
+    assert not {"grad_explosion", "grad_spike", "exploding_gradients"} & set(found), found
+
+
 @pytest.mark.parametrize("schedule", ["warmup_per_epoch", "warmup_per_step", "one_cycle", "one_cycle_per_epoch"])
 def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     """The digits MLP with Adam at 2e-3 behind a LambdaLR warmup of 2,000 steps that the loop steps once per
