@@ -988,13 +988,23 @@ def check_not_in_optimizer(run: Run) -> list:
     what = (f"{tensors} trainable tensor(s) ({_fmt(_count(info, 'elements'))} weights"
             + (f": {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}" if names else "") + ")"
             if tensors else "some parameters (the records' not_in_optimizer group)")
+    none = tensors and _optimizer_holds_none(run)
+    if none and info.get("gradients") == 0:   # no backward reached them either: not the model that trains
+        return [Finding(
+            NOT_IN_OPTIMIZER, "warning",
+            f"{what} have requires_grad=True but are in no optimizer param group, and had no gradient: the "
+            "optimizer holds none of the tensors of the model passed to on_batch_end, and no backward reaches "
+            "them. It is a copy of the model that trains (an EMA or AveragedModel, one loaded again), and the "
+            "records measure none of its weights.", _steps_list(steps(run)[:1]), group=NOT_IN_OPTIMIZER,
+            hint="Pass on_batch_end the model the optimizer steps (the one the loss is computed with); an EMA is "
+                 "evaluated through set_holdout_data's forward=, not in its place.")]
     return [Finding(
         NOT_IN_OPTIMIZER, "warning",
         f"{what} have requires_grad=True but are in no optimizer param group: the optimizer never updates them, "
         "and since optimizer.zero_grad() does not clear them either, their .grad only grows."
         + (" The optimizer holds none of the model's trainable tensors: it was built for another instance of "
            "the model (one created or loaded again after the optimizer), or it steps copies of the weights."
-           if tensors and _optimizer_holds_none(run) else ""),
+           if none else ""),
         _steps_list(steps(run)[:1]), group=NOT_IN_OPTIMIZER,
         hint="If they should train, add them to the optimizer (build it after the model is complete, or "
              "add_param_group); if another optimizer trains them, pass every optimizer to on_batch_end, as a "

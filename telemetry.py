@@ -3231,6 +3231,8 @@ class _Layout:
     def by_group(self, per_tensor_sq: torch.Tensor, has: Optional[torch.Tensor] = None) -> Dict[str, Any]:
         """Per-group norms from per-tensor squared norms; with `has`, a group without any tensor that has
         a value is null rather than 0."""
+        if not self.params:  # nothing measured: a sum over no tensor would read as a model that never moves
+            return self.nulls()
         device = per_tensor_sq.device
         totals = self.totals.get(device)
         if totals is None:  # once per device: a small model's collection is mostly such fixed costs
@@ -3520,7 +3522,9 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
                 if optimizer is not None else None,
                 world_size=1, rank=0)
     if layout.outside:
-        info["not_in_optimizer"] = count(layout.outside)
+        # with no gradient, no backward reaches them: a copy of the model (an EMA), not tensors left out
+        info["not_in_optimizer"] = dict(count(layout.outside),
+                                        gradients=sum(p.grad is not None for _, p in layout.outside))
     if layout.ignored:
         info["ignored_group_keys"] = layout.ignored
     if layout.initial_lrs:
@@ -3651,7 +3655,7 @@ def custom_metric_values(fn: Callable, model, optimizer, context) -> Dict[str, A
 
 
 def update_ratio_section(layout: _Layout, changes: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-    if "delta_sq" not in changes:  # no reference yet: null, like weight_delta
+    if "delta_sq" not in changes or not layout.params:  # no reference yet, or nothing measured: null
         return layout.nulls()
     delta = layout.by_group(changes["delta_sq"])
     weight = layout.by_group(changes["weight_sq"])
@@ -5459,11 +5463,19 @@ class TrainingTelemetry:
             self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
             if self._layout.outside:
                 names = [n for n, _ in self._layout.outside]
-                self._warn("outside", f"telemetry: {len(names)} trainable tensor(s) are in no optimizer group "
-                                      f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): nothing updates "
-                                      "them and their gradients grow with every backward(). They are left out of the "
-                                      "records (run.json lists them): add them to the optimizer, or freeze them. "
-                                      "If another optimizer trains them, pass every optimizer, as a list.")
+                listed = f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+                if any(p.grad is not None for _, p in self._layout.outside):
+                    self._warn("outside", f"telemetry: {len(names)} trainable tensor(s) are in no optimizer group "
+                                          f"{listed}: nothing updates them and their gradients grow with every "
+                                          "backward(). They are left out of the records (run.json lists them): add "
+                                          "them to the optimizer, or freeze them. If another optimizer trains them, "
+                                          "pass every optimizer, as a list.")
+                else:  # no backward reaches them: not the model the loss is computed with
+                    self._warn("outside", f"telemetry: {len(names)} trainable tensor(s) are in no optimizer group "
+                                          f"{listed} and have no gradient: is this a copy of the model (an EMA or "
+                                          "AveragedModel, one loaded again) rather than the one the optimizer "
+                                          "trains? They are left out of the records (run.json lists them): pass "
+                                          "on_batch_end the model the optimizer steps, or freeze them.")
             if self._layout.ignored:
                 said = "; ".join(f"group {g}: {k}={v[0]:g} (it reads {v[1]}, which is {v[2]:g})"
                                  for g, keys in self._layout.ignored.items() for k, v in keys.items())

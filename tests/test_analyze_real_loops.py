@@ -1131,6 +1131,44 @@ def test_an_optimizer_built_for_an_earlier_instance_of_the_model_is_named_first(
     assert top.code == "not_in_optimizer" and "none of the model's trainable tensors" in top.message
 
 
+def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen(tmp_path):
+    """A healthy digits loop whose hook is handed the EMA copy (torch's AveragedModel, updated after every
+    step) in place of the model the optimizer trains. The optimizer holds none of its tensors, so nothing of
+    it is measured: the records said weight_delta, weight_norm and drift 0, the analyzer said critical
+    not_learning ("no weight changed") while the EMA's weights moved at every step, and telemetry warned
+    that the tensors' gradients grow, which they have none of. The records now hold null there, the warning
+    and not_in_optimizer say a copy of the model was passed, and nothing says it does not learn."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    x, y, _ = standardized(load_digits, fit=800)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    start = [p.detach().clone() for p in ema.parameters()]
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[800:900], y[800:900]))
+    with pytest.warns(RuntimeWarning, match="a copy of the model"):
+        for i in range(1, 301):
+            idx = slice((i * 32) % 768, (i * 32) % 768 + 32)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            ema.update_parameters(model)
+            tel.on_batch_end(ema, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
+            opt.zero_grad()
+        tel.close()
+    with torch.no_grad():
+        fresh = (ema(x[900:]).argmax(1) == y[900:]).float().mean()
+    assert fresh > 0.9 and not any(torch.equal(a, p) for a, p in zip(start, ema.parameters()))
+    run, found = codes(tmp_path)
+    assert run.meta["not_in_optimizer"]["gradients"] == 0
+    assert all(r[k]["overall"] is None for r in run.records for k in ("weight_delta", "weight_norm", "drift"))
+    assert at.diagnose(run)[0].code == "not_in_optimizer" and "copy of the model" in found["not_in_optimizer"].message
+    assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_padding_that_keeps_its_labels_is_named(tmp_path, masked):
     """A character GRU on Python's own source, windows of 16-48 characters right-padded to 48 with an
