@@ -1212,9 +1212,10 @@ LR_BELOW_MAX = 0.25
 def check_lr_below_base(run: Run) -> list:
     """The learning rate never came near the one set on the optimizer: every group that a scheduler drives
     stayed, over the whole run, under LR_BELOW_BASE of the lr the scheduler started from (its initial_lr,
-    which telemetry lists in run.json), or under LR_BELOW_MAX of the max_lr a OneCycleLR climbs to. A warmup that counts optimizer steps stepped once per epoch, or one
-    longer than the run, or a schedule's factor off by orders of magnitude: the run trains at a rate its
-    author never chose, and a stalled loss asks for a learning rate 3-10x higher when it is 100x."""
+    which telemetry lists in run.json), or under LR_BELOW_MAX of the max_lr a OneCycleLR climbs to. A warmup
+    that counts optimizer steps stepped once per epoch, or one longer than the run, or a schedule's factor off
+    by orders of magnitude: the run trains at a rate its author never chose, and a stalled loss asks for a
+    learning rate 3-10x higher when it is 100x."""
     bases, tops = (run.meta.get(key) if isinstance(run.meta.get(key), dict) else {}
                    for key in ("initial_lrs", "max_lrs"))
     peaks = {}
@@ -2157,7 +2158,7 @@ VANISHED_RATIO = 1e-3
 
 
 def _cut_layers(run: Run):
-    """(layers whose gradient was exactly 0 at every collection, layers after them that had one, collections)
+    """(layers whose gradient was exactly 0 at every collection, other layers that had one, collections)
     from grad_profile, or None. Exactly 0 from the first collection to the last is no gradient shrinking
     with depth: nothing passes gradient back to those layers at all. A layer with no gradient is null there
     (detached, unused), not 0; a layer of units that never fire, or a frozen layer whose weights are all 0,
@@ -2173,18 +2174,18 @@ def _cut_layers(run: Run):
     zero = [i for i in range(len(layers)) if np.isfinite(m[i]).all() and not m[i].any()]
     if not zero:
         return None
-    # a later layer that gets gradient at most collections: the loss reaches it, and not the ones before
-    after = [i for i in range(zero[-1] + 1, len(layers)) if np.mean(np.nan_to_num(m[i]) > 0) >= 0.9]
-    if not after:
+    # other layers that get gradient at most collections: the loss reaches them, and not these
+    reached = [i for i in range(len(layers)) if i not in zero and np.mean(np.nan_to_num(m[i]) > 0) >= 0.9]
+    if not reached:
         return None
-    return [layers[i] for i in zero], [layers[i] for i in after], int(seen.sum())
+    return [layers[i] for i in zero], [layers[i] for i in reached], int(seen.sum())
 
 
 def check_gradient_cut(run: Run) -> list:
     cut = _cut_layers(run)
     if cut is None:
         return []
-    zero, after, n = cut
+    zero, reached, n = cut
     # units that never fire cut the path too, and dead_units names them: dead from the first collection, as
     # the gradient was 0 from it (the holdout may show a few firing where the batches fire none). Units that
     # die later are what weight decay leaves of the layers cut off.
@@ -2197,13 +2198,16 @@ def check_gradient_cut(run: Run) -> list:
     return [Finding(
         "gradient_cut", "critical",
         f"no gradient reaches layers {', '.join(zero[:6])}{' and more' if len(zero) > 6 else ''}: their gradient "
-        f"was exactly 0 at every one of the {n} collections, from the first, while the layers after them "
-        f"({', '.join(after[:4])}{' and more' if len(after) > 4 else ''}) got one. That is no gradient fading "
+        f"was exactly 0 at every one of the {n} collections, from the first, while other layers "
+        f"({', '.join(reached[:4])}{' and more' if len(reached) > 4 else ''}) got one. That is no gradient fading "
         "with depth: something between them and the loss multiplies it by 0 - a frozen layer whose weights are "
-        "all 0, a mask of zeros, or a layer of units that never fire." + held,
+        "all 0, a mask of zeros, a layer of units that never fire, or, for an output head of their own, a loss "
+        "term weighted 0 or left out of the total." + held,
         _steps_list([int(steps(run)[0])]), group=zero[0],
         hint="Give the layer after them nonzero weights (a zero init trains only while the layer itself trains: "
-             "requires_grad_(True)), or remove the zero mask or factor on the path from these layers to the loss.")]
+             "requires_grad_(True)), or remove the zero mask or factor on the path from these layers to the loss; "
+             "for a head of its own, check that its loss term is in the total with a weight above 0 (a key "
+             "misspelt in a dict of loss weights gives 0).")]
 
 
 def _starved_first_layers(run: Run):

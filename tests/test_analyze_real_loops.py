@@ -1980,7 +1980,7 @@ def test_a_frozen_zeroed_last_layer_is_named_as_a_cut_gradient(tmp_path, frozen)
         assert not first.any() and r2 <= 0.01
         top = at.diagnose(run)[0]
         under = {c.code for c in at.every_finding(top.consequences)}
-        assert top.code == "gradient_cut" and "layers 0, 2" in top.message and "(4)" in top.message
+        assert top.code == "gradient_cut" and "layers 0, 2" in top.message and "other layers (4)" in top.message
         assert "32 frozen parameter elements" in top.message and "weights_collapsed" in under
         assert "vanishing_gradients" not in found
     else:
@@ -2018,6 +2018,61 @@ def test_an_autoencoder_on_shuffled_targets_is_not_blamed_on_its_dead_units(tmp_
             assert found["dead_units"].severity == "info" and "steps too large" not in found["dead_units"].message
     else:
         assert mse < 0.5 * mean_image and not [f for f in found.values() if f.severity != "info"], found
+
+
+@pytest.mark.parametrize("typo", [True, False])
+def test_a_head_whose_loss_is_weighted_zero_is_a_cut_gradient(tmp_path, typo):
+    """A digits model with a trunk and three heads (the digit, its parity, its ink) returning a dict, trained on
+    the weighted sum of their losses, the weights looked up with .get in a dict whose main key is misspelt:
+    the digit head's loss counts 0, and on fresh digits that head is at chance while parity learns.
+    gradient_cut names the digit head among layers that get gradient, and says a loss term weighted 0 (it said
+    "the layers after them", the sibling heads, and offered only a zero layer's fix). Spelt right, the loop
+    learns and is not told."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    x, y, _ = standardized(load_digits, fit=1000)
+
+    class ThreeHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
+            self.digit, self.parity, self.ink = nn.Linear(64, 10), nn.Linear(64, 2), nn.Linear(64, 1)
+
+        def forward(self, inputs):
+            h = self.trunk(inputs)
+            return {"digit": self.digit(h), "parity": self.parity(h), "ink": self.ink(h).squeeze(-1)}
+
+    torch.manual_seed(1)
+    model = ThreeHeads()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    weights = {"digits" if typo else "digit": 1.0, "parity": 0.5, "ink": 0.5}
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[1000:1100], y[1000:1100]), output="digit")
+    gen = torch.Generator().manual_seed(0)
+    for step in range(300):
+        idx = torch.randint(0, 1000, (32,), generator=gen)
+        out = model(x[idx])
+        losses = {"digit": F.cross_entropy(out["digit"], y[idx]), "parity": F.cross_entropy(out["parity"], y[idx] % 2),
+                  "ink": F.mse_loss(out["ink"], x[idx].sum(-1) / 30)}
+        loss = sum(weights.get(k, 0.0) * v for k, v in losses.items())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+    with torch.no_grad():
+        out = model(x[1100:])
+        digit, parity = ((out[k].argmax(1) == t).float().mean().item()
+                         for k, t in (("digit", y[1100:]), ("parity", y[1100:] % 2)))
+    run, found = codes(tmp_path)
+    if typo:
+        assert digit < 0.2 and parity > 0.8, (digit, parity)
+        top = at.diagnose(run)[0]
+        assert top.code == "gradient_cut" and "layers digit:" in top.message and "weighted 0" in top.message
+        assert "after them (" not in top.message
+    else:
+        assert digit > 0.9 and "gradient_cut" not in found, found
 
 
 def test_gradients_clipped_to_a_tiny_norm_are_named_with_sgd_only(tmp_path):
