@@ -3395,7 +3395,7 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
 _GROUP_EXTRAS = {"params", "name", "initial_lr", "max_lr", "min_lr", "base_lr", "max_momentum", "base_momentum",
                  "lr_scale", "swa_lr"}
 _GROUP_ALIASES = {"learningrate": "lr", "learnrate": "lr", "lrate": "lr", "wd": "weight_decay",
-                  "weightdecay": "weight_decay", "mom": "momentum"}
+                  "weightdecay": "weight_decay", "weightdecayrate": "weight_decay", "mom": "momentum"}
 
 
 def ignored_group_keys(optimizer: Any, names: List[str]) -> Dict[str, Dict[str, Any]]:

@@ -1094,10 +1094,11 @@ def test_tensors_the_optimizer_steps_outside_the_model_are_named(tmp_path):
 def test_a_misspelt_param_group_key_is_named(tmp_path):
     """A head meant to train at 10x, its lr written as "learning_rate", which AdamW never reads: the head
     trains at the base lr, as the records show, and a warning and run.json name the key, the one the
-    optimizer reads, and both values. A scheduler's own key (initial_lr) is not named."""
+    optimizer reads, and both values. So for a backbone meant to train without weight decay, written as
+    Keras names it ("weight_decay_rate"). A scheduler's own key (initial_lr) is not named."""
     x, y = digits()
     model = mlp()
-    opt = torch.optim.AdamW([{"params": model[0].parameters(), "name": "backbone"},
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "name": "backbone", "weight_decay_rate": 0.0},
                              {"params": model[2].parameters(), "name": "head", "learning_rate": 1e-3}], lr=1e-4)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
@@ -1112,7 +1113,8 @@ def test_a_misspelt_param_group_key_is_named(tmp_path):
     tel.close()
     assert [record["learning_rates"]["backbone"], record["learning_rates"]["head"]] == pytest.approx(lrs)
     info = json.loads((tmp_path / "run.json").read_text())
-    assert info["ignored_group_keys"] == {"head": {"learning_rate": [1e-3, "lr", 1e-4]}}
+    assert info["ignored_group_keys"] == {"backbone": {"weight_decay_rate": [0.0, "weight_decay", 0.01]},
+                                          "head": {"learning_rate": [1e-3, "lr", 1e-4]}}
 
 
 def test_complex_parameters_are_named_and_the_real_ones_measured(tmp_path):
