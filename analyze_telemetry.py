@@ -1608,6 +1608,50 @@ def _chance_losses(run: Run):
     return math.log(h.num_classes), min(prior, math.log(h.num_classes))
 
 
+# A classifier's train loss under this share of log K (an untrained model's) within the first fifth of the
+# run, while its holdout gets only worse, is not the loss of its predictions against the labels.
+NEAR_ZERO_SHARE = 0.05
+
+
+def check_train_loss_near_zero(run: Run) -> list:
+    """A classifier's train loss that starts under a third of the holdout's cross-entropy at the same weights
+    and falls to near 0 within the first fifth of the collections while that cross-entropy never falls below
+    where it began and ends the fifth above an untrained model's (log K), and the holdout ends at chance: the
+    loss the model minimises does not score its predictions against the labels. A focal loss whose weight is inverted (p^gamma for (1 - p)^gamma)
+    makes every confident prediction nearly free, right or wrong; so does a loss masked or scaled to nearly
+    nothing. A model that learns lowers both losses at first, and one that memorises its training set gets
+    its train loss near 0 only later."""
+    untrained, _ = _chance_losses(run)
+    h = holdout_data(run)
+    if untrained is None or not h:
+        return []
+    train = dict(zip(steps(run).tolist(), column(run, "loss").tolist()))
+    pairs = np.array([(train.get(s, math.nan), v, s) for s, v in zip(h.steps.tolist(), h.loss.tolist())])
+    pairs = pairs[np.isfinite(pairs).all(axis=1)] if len(pairs) else pairs
+    if len(pairs) < 10:
+        return []
+    early = pairs[:max(3, int(math.ceil(0.2 * len(pairs))))]
+    tr, ho = early[:, 0], early[:, 1]
+    low = float(np.median(tr[-3:]))
+    # At the first collection the model has learned next to nothing, and a cross-entropy on a batch reads
+    # about what it reads on the holdout: a third of it is a loss of something else (a model that memorises
+    # its training set starts where the holdout does).
+    if not (0 <= low < NEAR_ZERO_SHARE * untrained and tr[0] < ho[0] / TRAIN_SCALE and ho.min() >= 0.9 * ho[0]
+            and ho[-1] > untrained) or not check_holdout_at_chance(run) or check_holdout_off_scale(run):
+        return []
+    return [Finding(
+        "train_loss_near_zero", "critical",
+        f"the train loss fell to {_fmt(low)} by step {int(early[-1, 2])} from {_fmt(float(tr[0]))} (a "
+        f"{_fmt(float(ho[0] / tr[0]))}th of the holdout's cross-entropy at the first collection), near 0, "
+        f"while the holdout's cross-entropy at the same weights only rose, from {_fmt(float(ho[0]))} to "
+        f"{_fmt(float(ho[-1]))}, above the {_fmt(untrained)} of an untrained classifier: what the model "
+        "minimises does not score its predictions against the labels, and the holdout ends at chance.",
+        _steps_list([int(early[0, 2]), int(early[-1, 2])]),
+        hint="Check the loss function: a focal loss weights each example by (1 - p)^gamma, p the probability of "
+             "its label (p^gamma makes every confident mistake free); a mask or a factor that leaves almost "
+             "nothing of the loss; the loss passed to on_batch_end being another than the one trained on.")]
+
+
 def check_negative_loss(run: Run) -> list:
     """A classifier's train loss below 0, and on down without bound: cross-entropy on probabilities is never
     negative, but NLLLoss on raw outputs (it expects log-probabilities) is -output[label], and binary
@@ -3542,8 +3586,9 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_restart_from_scratch, check_gradients_never_zeroed, check_missing_gradients,
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
           check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
-          check_negative_loss, check_constant_inputs, check_labels_not_shifted, check_gradients_clipped,
-          check_integer_targets, check_dead_output, check_gradient_cut, check_weights_collapsed, check_not_learning,
+          check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_labels_not_shifted,
+          check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
+          check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_unscaled_targets,
           check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
@@ -3564,7 +3609,8 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "restart_from_scratch", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer",
      "frozen_parameters", "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key",
-     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
+     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
+     "train_loss_near_zero", "constant_inputs",
      "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut", "weights_collapsed",
      "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
@@ -3621,8 +3667,12 @@ FINDINGS = {
     "holdout_positions_untrained": (("warning", "critical"), "analyzer", "a language model's holdout is scored on "
                                     "a far larger share of positions than the training supervises: it measures "
                                     "what the training never teaches"),
+    "train_loss_near_zero": (("critical",), "analyzer", "a classifier's train loss starts far below its holdout's "
+                             "and falls to near 0 as the holdout only worsens: the loss does not score predictions "
+                             "against labels (a focal loss's weight inverted)"),
     "gradient_cut": (("critical",), "analyzer", "some layers get exactly no gradient from the first step on while "
-                     "later ones do: something multiplies it by 0 on the way back (a frozen layer of zeros)"),
+                     "others do: something multiplies it by 0 on the way back (a frozen layer of zeros, a loss "
+                     "term weighted 0)"),
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
                           "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
@@ -3715,6 +3765,9 @@ CONSEQUENCES = {
     # no gradient passes the cut output: nothing trains, weight decay alone shrinks the weights, the units die
     "dead_output": ("weights_collapsed", "not_learning", "loss_stalled", "holdout_at_chance", "forgetting",
                     "vanishing_gradients", "dead_units", "unscaled_targets"),
+    # a loss that asks nothing of the predictions: what the model does with its units and the holdout follows
+    "train_loss_near_zero": ("holdout_at_chance", "overfitting", "forgetting", "dead_units", "saturated_units",
+                             "loss_stalled", "not_learning", "vanishing_gradients", "weights_collapsed"),
     # scored where the training never teaches, the holdout shows no learning, or a loss that rises apart from it
     "holdout_positions_untrained": ("holdout_at_chance", "overfitting", "forgetting"),
     # the layers cut off keep only what weight decay does to them, and the model learns with what is left

@@ -2275,6 +2275,39 @@ def test_nll_loss_on_raw_logits_is_named_not_the_learning_rate(tmp_path):
             assert "negative_loss" not in found, found
 
 
+@pytest.mark.parametrize("inverted", [True, False])
+def test_a_focal_loss_with_its_weight_inverted_is_named(tmp_path, inverted):
+    """Digits as "is it an 8" (a tenth positive), an MLP trained with a focal loss whose weight is written
+    p^gamma instead of (1 - p)^gamma: every confident mistake is free, the loss is near 0 from the first
+    step, and on fresh digits the model calls everything one class. The analyzer led with dead_units (steps
+    too large, lower the learning rate), or, at a lower rate, with holdout_at_chance (memorisation).
+    train_loss_near_zero now leads: the train loss a small share of the holdout's cross-entropy at the same
+    weights before anything was learned. Written right, the loop learns (balanced accuracy over 0.85) and is
+    not told."""
+    from sklearn.datasets import load_digits
+
+    x, y, _ = standardized(load_digits, fit=1000)
+    y = (y == 8).long()
+
+    def focal(out, target, gamma=2.0):
+        logp = F.log_softmax(out, -1).gather(1, target[:, None]).squeeze(1)
+        weight = logp.exp() ** gamma if inverted else (1 - logp.exp()) ** gamma
+        return -(weight * logp).mean()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 2))
+    sampled_run(tmp_path, model, x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), 400, 32, loss_fn=focal, lr=3e-3)
+    with torch.no_grad():
+        predicted = model(x[1100:]).argmax(1)
+    balanced = np.mean([(predicted[y[1100:] == c] == c).float().mean().item() for c in (0, 1)])
+    run, found = codes(tmp_path)
+    if inverted:
+        assert balanced < 0.6, balanced
+        assert at.diagnose(run)[0].code == "train_loss_near_zero" and "(1 - p)^gamma" in found["train_loss_near_zero"].hint
+    else:
+        assert balanced > 0.85 and "train_loss_near_zero" not in found and not [
+            f for f in found.values() if f.severity != "info"], found
+
+
 def test_distillation_with_probabilities_into_kl_div_is_a_negative_loss(tmp_path):
     """A digits MLP distilled from a scikit-learn logistic regression's probabilities with KLDivLoss, given
     the student's probabilities where it expects log-probabilities: the recorded loss (checked against the
