@@ -5470,12 +5470,18 @@ class TrainingTelemetry:
                                           "backward(). They are left out of the records (run.json lists them): add "
                                           "them to the optimizer, or freeze them. If another optimizer trains them, "
                                           "pass every optimizer, as a list.")
-                else:  # no backward reaches them: not the model the loss is computed with
+                elif not self._layout.params:  # no backward reaches any: not the model the loss is computed with
                     self._warn("outside", f"telemetry: {len(names)} trainable tensor(s) are in no optimizer group "
                                           f"{listed} and have no gradient: is this a copy of the model (an EMA or "
                                           "AveragedModel, one loaded again) rather than the one the optimizer "
                                           "trains? They are left out of the records (run.json lists them): pass "
                                           "on_batch_end the model the optimizer steps, or freeze them.")
+                else:
+                    self._warn("outside", f"telemetry: {len(names)} trainable tensor(s) are in no optimizer group "
+                                          f"{listed} and have no gradient (unused in the forward, or detached from "
+                                          "the loss): nothing updates them. They are left out of the records "
+                                          "(run.json lists them): freeze them, or add them to the optimizer if the "
+                                          "loss should reach them.")
             if self._layout.ignored:
                 said = "; ".join(f"group {g}: {k}={v[0]:g} (it reads {v[1]}, which is {v[2]:g})"
                                  for g, keys in self._layout.ignored.items() for k, v in keys.items())

@@ -1117,6 +1117,35 @@ def test_a_misspelt_param_group_key_is_named(tmp_path):
                                           "head": {"learning_rate": [1e-3, "lr", 1e-4]}}
 
 
+def test_a_layer_left_out_of_the_optimizer_and_the_forward_is_told_it_has_no_gradient(tmp_path):
+    """A spare layer that the forward never uses, trainable and in no optimizer group, beside a classifier the
+    optimizer trains: the warning said its gradients grow with every backward(), which it has none of. It now
+    says the layer has no gradient (unused, or detached), and the records measure the classifier's tensors
+    alone (their norm against torch.nn.utils.get_total_norm)."""
+    x, y = digits()
+
+    class WithSpare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.spare = mlp(), nn.Linear(8, 8)
+
+        def forward(self, inputs):
+            return self.net(inputs)
+
+    model = WithSpare()
+    opt = torch.optim.SGD(model.net.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    with pytest.warns(RuntimeWarning, match=r"in no optimizer group \(spare.weight, spare.bias\) and have no "
+                                            r"gradient \(unused in the forward"):
+        nn.functional.cross_entropy(model(x[:32]), y[:32]).backward()
+        opt.step()
+        want = torch.nn.utils.get_total_norm([p.grad for p in model.net.parameters()]).item()
+        record = tel.on_batch_end(model, opt, 0, 0)
+    tel.close()
+    assert record["gradient_norm"]["overall"] == pytest.approx(want, rel=1e-5)
+    assert json.loads((tmp_path / "run.json").read_text())["not_in_optimizer"]["gradients"] == 0
+
+
 def test_complex_parameters_are_named_and_the_real_ones_measured(tmp_path):
     """A complex-valued filter beside a real classifier: the complex tensor is left out with one warning
     (run.json lists it), and every real tensor's norms and deltas are right (get_total_norm, float64
