@@ -1636,8 +1636,11 @@ def check_train_loss_near_zero(run: Run) -> list:
     # At the first collection the model has learned next to nothing, and a cross-entropy on a batch reads
     # about what it reads on the holdout: a third of it is a loss of something else (a model that memorises
     # its training set starts where the holdout does).
-    if not (0 <= low < NEAR_ZERO_SHARE * untrained and tr[0] < ho[0] / TRAIN_SCALE and ho.min() >= 0.9 * ho[0]
-            and ho[-1] > untrained) or not check_holdout_at_chance(run) or check_holdout_off_scale(run):
+    # ... and it falls (a loss that is 0 throughout, multiplied by 0, is not_learning's), while the holdout's
+    # only rises
+    if not (0 <= low < NEAR_ZERO_SHARE * untrained and 0 < tr[0] < ho[0] / TRAIN_SCALE and low <= 0.5 * tr[0]
+            and ho.min() >= 0.9 * ho[0] and ho[-1] > max(untrained, 1.2 * ho[0])) \
+            or not check_holdout_at_chance(run) or check_holdout_off_scale(run):
         return []
     return [Finding(
         "train_loss_near_zero", "critical",
@@ -3609,10 +3612,9 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "restart_from_scratch", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer",
      "frozen_parameters", "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key",
-     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
-     "train_loss_near_zero", "constant_inputs",
-     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut", "weights_collapsed",
-     "not_learning"),
+     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
+     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
+     "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "holdout_positions_untrained", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
@@ -3771,8 +3773,9 @@ CONSEQUENCES = {
     # scored where the training never teaches, the holdout shows no learning, or a loss that rises apart from it
     "holdout_positions_untrained": ("holdout_at_chance", "overfitting", "forgetting"),
     # the layers cut off keep only what weight decay does to them, and the model learns with what is left
+    # (a head whose loss term counts 0 leaves a total loss of the other heads, near 0 while it is at chance)
     "gradient_cut": ("weights_collapsed", "not_learning", "frozen_group", "loss_stalled", "holdout_at_chance",
-                     "forgetting", "unscaled_targets", "vanishing_gradients", "dead_units"),
+                     "forgetting", "unscaled_targets", "vanishing_gradients", "dead_units", "train_loss_near_zero"),
     # weights near 0 give about the same output for every input, and small gradients to the early layers
     "weights_collapsed": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "vanishing_gradients",
                           "dead_units"),
