@@ -5496,12 +5496,20 @@ class TrainingTelemetry:
                                       "them under complex); the real tensors are recorded.")
             if self._layout.beyond:
                 groups = sorted({g for g, _ in self._layout.beyond})
-                self._warn("beyond", f"telemetry: the optimizer steps {len(self._layout.beyond)} tensor(s) that are "
-                                     f"not parameters of the model passed to on_batch_end (in group(s) "
-                                     f"{', '.join(groups)}): they are left out of every norm and delta, which cover "
-                                     "the model's tensors alone (run.json lists them under not_in_model). "
-                                     "Pass a module that holds them all, e.g. nn.ModuleDict({'model': model, "
-                                     "'loss': loss_module}).")
+                if any(p.grad is not None for _, p in self._layout.beyond):
+                    self._warn("beyond", f"telemetry: the optimizer steps {len(self._layout.beyond)} tensor(s) that "
+                                         f"are not parameters of the model passed to on_batch_end (in group(s) "
+                                         f"{', '.join(groups)}): they are left out of every norm and delta, which "
+                                         "cover the model's tensors alone (run.json lists them under not_in_model). "
+                                         "Pass a module that holds them all, e.g. nn.ModuleDict({'model': model, "
+                                         "'loss': loss_module}).")
+                else:  # no backward reaches them either: tensors the model held once
+                    self._warn("beyond", f"telemetry: the optimizer steps {len(self._layout.beyond)} tensor(s) that "
+                                         f"are not parameters of the model passed to on_batch_end and have no "
+                                         f"gradient (in group(s) {', '.join(groups)}): tensors the model no longer "
+                                         "holds, a weight tied or replaced after the optimizer was built. They are "
+                                         "left out of the records (run.json lists them under not_in_model); build "
+                                         "the optimizer after the model is complete.")
         return self._layout
 
     def _move_on(self, fingerprint: str) -> None:

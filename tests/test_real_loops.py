@@ -1042,6 +1042,39 @@ def test_batch_encodings_namedtuples_and_other_batch_objects(tmp_path):
     assert "errors" not in record and "batch_stats" not in record
 
 
+def test_a_weight_tied_after_the_optimizer_was_built_is_named_as_no_longer_held(tmp_path):
+    """An output layer's weight tied to the embedding's after the optimizer was built: the optimizer still
+    steps the old output weight, which the model no longer holds and no backward reaches. The warning said to
+    pass a module that holds it (a ModuleDict with the loss module), which no module can; it now says the
+    model no longer holds it, and to build the optimizer after the model is complete. The records are the
+    model's tensors' (get_total_norm)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (64, 8))
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = nn.Embedding(50, 16), nn.Linear(16, 50, bias=False)
+
+        def forward(self, inputs):
+            return self.out(self.embed(inputs))
+
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.out.weight = model.embed.weight
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    with pytest.warns(RuntimeWarning, match=r"steps 1 tensor\(s\) that are not parameters of the model passed to "
+                                            r"on_batch_end and have no gradient .*no longer holds"):
+        logits = model(ids[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1)).backward()
+        opt.step()
+        want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+        record = tel.on_batch_end(model, opt, 0, 0)
+    tel.close()
+    assert record["gradient_norm"]["overall"] == pytest.approx(want, rel=1e-5)
+    assert json.loads((tmp_path / "run.json").read_text())["not_in_model"]["tensors"] == 1
+
+
 def test_tensors_the_optimizer_steps_outside_the_model_are_named(tmp_path):
     """A learnable temperature and a cosine classifier's prototypes, both outside the model passed to the
     hook, stepped by its optimizer: they cannot be recorded under the model's names, so one warning says
