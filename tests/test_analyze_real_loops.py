@@ -932,15 +932,15 @@ def test_a_train_loss_summed_over_the_batch_is_not_a_divergence(tmp_path):
     assert "the holdout loss is still" in top[0].message
 
 
-def diabetes(seed, features=(0, 1, 2, 3)):
+def diabetes(seed, features=(0, 1, 2, 3), fit=250):
     """scikit-learn's diabetes regression (age, sex, bmi, blood pressure by default), shuffled; features and
-    targets standardised with the statistics of the first 250 examples (the train split)."""
+    targets standardised with the statistics of the first `fit` examples (the train split)."""
     from sklearn.datasets import load_diabetes
 
     x, y = load_diabetes(return_X_y=True)
     order = np.random.RandomState(seed).permutation(len(y))
     x, y = x[order][:, list(features)].astype(np.float32), y[order].astype(np.float32)
-    x, y = (x - x[:250].mean(0)) / x[:250].std(0), (y - y[:250].mean()) / y[:250].std()
+    x, y = (x - x[:fit].mean(0)) / x[:fit].std(0), (y - y[:fit].mean()) / y[:fit].std()
     return torch.tensor(x), torch.tensor(y)
 
 
@@ -1918,13 +1918,7 @@ def test_a_regression_whose_output_passes_a_relu_is_named(tmp_path, relu_at_the_
     led with weights_collapsed, hinting at a lower weight decay. dead_output now leads: every holdout
     prediction 0 (as a manual pass finds) and the last ReLU, of one unit, never firing. Without the ReLU the
     loop fits (R^2 over 0.3) and is not told."""
-    from sklearn.datasets import load_diabetes
-
-    x, y = load_diabetes(return_X_y=True)
-    order = np.random.RandomState(0).permutation(len(y))
-    x, y = x[order], y[order]
-    x, y = (x - x[:300].mean(0)) / x[:300].std(0), (y - y[:300].mean()) / y[:300].std()
-    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
+    x, y = diabetes(0, features=range(10), fit=300)
     torch.manual_seed(0)
     layers = [nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1)]
     model = nn.Sequential(*layers, *([nn.ReLU()] if relu_at_the_end else []))
@@ -1953,13 +1947,7 @@ def test_a_frozen_zeroed_last_layer_is_named_as_a_cut_gradient(tmp_path, frozen)
     analyzer led with weights_collapsed, hinting at a lower weight decay, and called the cut vanishing gradients
     with a hint of residual connections; gradient_cut now leads. Left to train, the same zero init fits (a
     fresh R^2 over 0.3) and is not told."""
-    from sklearn.datasets import load_diabetes
-
-    x, y = load_diabetes(return_X_y=True)
-    order = np.random.RandomState(0).permutation(len(y))
-    x, y = x[order], y[order]
-    x, y = (x - x[:300].mean(0)) / x[:300].std(0), (y - y[:300].mean()) / y[:300].std()
-    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
+    x, y = diabetes(0, features=range(10), fit=300)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
     nn.init.zeros_(model[4].weight)
