@@ -1625,9 +1625,7 @@ def check_train_loss_near_zero(run: Run) -> list:
     h = holdout_data(run)
     if untrained is None or not h:
         return []
-    train = dict(zip(steps(run).tolist(), column(run, "loss").tolist()))
-    pairs = np.array([(train.get(s, math.nan), v, s) for s, v in zip(h.steps.tolist(), h.loss.tolist())])
-    pairs = pairs[np.isfinite(pairs).all(axis=1)] if len(pairs) else pairs
+    pairs = _paired_losses(run, h)
     if len(pairs) < 10:
         return []
     early = pairs[:max(3, int(math.ceil(0.2 * len(pairs))))]
@@ -1878,6 +1876,14 @@ def _peak_loss(run: Run, level: float, train: bool = True):
 TRAIN_SCALE = 3.0   # a train loss this many times the holdout's per-example loss is on another scale
 
 
+def _paired_losses(run: Run, h: Holdout) -> np.ndarray:
+    """[train loss, holdout loss, step] rows for the collections that have both, finite, in order: the two
+    losses of the same weights."""
+    train = dict(zip(steps(run).tolist(), column(run, "loss").tolist()))
+    pairs = np.array([(train.get(s, math.nan), v, s) for s, v in zip(h.steps.tolist(), h.loss.tolist())])
+    return pairs[np.isfinite(pairs).all(axis=1)] if len(pairs) else pairs.reshape(0, 3)
+
+
 def _train_loss_on_another_scale(run: Run, untrained: float) -> bool:
     """Whether the recorded train loss is on another scale than a per-example mean (a loss summed over the
     batch, reduction="sum"): over the first fifth of the run it is typically (the median) TRAIN_SCALE times
@@ -1888,9 +1894,7 @@ def _train_loss_on_another_scale(run: Run, untrained: float) -> bool:
     h = holdout_data(run)
     if not h or untrained is None:
         return False
-    train = dict(zip(steps(run).tolist(), column(run, "loss").tolist()))
-    pairs = np.array([(train.get(s, math.nan), v) for s, v in zip(h.steps.tolist(), h.loss.tolist())])
-    pairs = pairs[np.isfinite(pairs).all(axis=1)] if len(pairs) else pairs
+    pairs = _paired_losses(run, h)
     if len(pairs) < 5:
         return False
     early = pairs[:max(3, int(math.ceil(0.2 * len(pairs))))]
