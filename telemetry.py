@@ -4217,6 +4217,9 @@ class _ReferenceStore:
         self.initial_pending = config.track_update_ratio  # W_0 is kept at the first call
         self.headers = _WrittenHeaders()
         self.maps = _KeptMaps(self.headers)
+        # Set when the trainable tensors change while this process runs (a layer unfrozen, a group added): the
+        # files then hold the old set by design, and the next collection starts them again without a warning.
+        self.trainable_changed = False
 
     @property
     def checkpoint(self) -> str:
@@ -4270,6 +4273,8 @@ class _ReferenceStore:
         if header_matches(header, named):
             step = metadata.get("step", "")
             return path, int(step) if step.isdigit() else None
+        if self.trainable_changed:
+            return None, None
         self.warn(what, f"telemetry: {os.path.basename(path)} holds other tensors than the trainable parameters "
                         "now (a layer unfrozen or frozen, a parameter group added, a dtype or a shape changed; this "
                         f"rank's part of them, when sharded); {then}")
@@ -4302,6 +4307,7 @@ class _ReferenceStore:
         def local():
             reference, c.reference_step = self.usable(named)
             initial = self.initial_for(named, step) if cfg.track_update_ratio else None
+            self.trainable_changed = False
             changes = self._stream_while_writing(named, step, lambda put=None: streamed_weight_changes(
                 named, reference, initial, thresholds, rel, detail, mapper=self.maps.map, put=put))
             if keep_previous and reference is not None:
@@ -5460,6 +5466,7 @@ class TrainingTelemetry:
             self._layout, partitions = build_layout(model, optimizer, self.config)
             if before is not None and [id(p) for p in before.params] != [id(p) for p in self._layout.params]:
                 self._alerts.measured_other_tensors()
+                self._reference.trainable_changed = True
             self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
             if self._layout.outside:
                 names = [n for n, _ in self._layout.outside]

@@ -790,7 +790,9 @@ def test_a_language_models_token_batches_are_counted_as_tokens_not_classes(tmp_p
 def test_progressive_unfreezing_keeps_the_drift_of_groups_already_training(tmp_path):
     """A head trained alone, then the body unfrozen and added with optimizer.add_param_group: the head's drift
     still counts from the first call (against float64 copies), the body's from the collection that first holds
-    it, and the overall drift adds them up; the delta across the change is null, never a wrong number."""
+    it, and the overall drift adds them up; the delta across the change is null, never a wrong number. The
+    unfreeze is the loop's own doing, so nothing is warned; a run resumed in a new process with another set of
+    trainable tensors than its files hold is told that its delta and drift restart."""
     x, y = digits()
     model = mlp()
     model[0].requires_grad_(False)
@@ -826,7 +828,20 @@ def test_progressive_unfreezing_keeps_the_drift_of_groups_already_training(tmp_p
         assert r["drift"]["overall"] == pytest.approx(math.sqrt(sum(drift.values())), rel=1e-5)
     assert records[4]["weight_delta"]["overall"] is None and records[5]["weight_delta"]["overall"] > 0
     assert records[3]["drift"]["head"] > 0.1  # the head had moved before the body joined
-    assert any("the drift of tensors it lacks is measured from here" in str(w.message) for w in caught)
+    assert not [str(w.message) for w in caught if "telemetry" in str(w.message)]
+
+    model[0].requires_grad_(False)  # a new process resumes the run with the body frozen again
+    opt = torch.optim.SGD([{"params": model[2].parameters(), "name": "head"}], lr=0.2, momentum=0.9)
+    with pytest.warns(RuntimeWarning) as caught:
+        tel = TrainingTelemetry(TelemetryConfig(output_dir=run, collect_every_n=1))
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x[:32]), y[:32])
+        loss.backward()
+        opt.step()
+        assert tel.on_batch_end(model, opt, 8, 0, batch=(x, y), loss=loss)["weight_delta"]["overall"] is None
+        tel.close()
+    said = " ".join(str(w.message) for w in caught)
+    assert "the delta restarts here" in said and "the drift of tensors it lacks is measured from here" in said
 
 
 def test_a_gan_calling_the_hook_after_each_optimizer_is_warned(tmp_path):
