@@ -968,6 +968,67 @@ def check_restart_from_scratch(run: Run) -> list:
     return findings
 
 
+# Weights moved back toward their start: the drift from W_0 fell by this share of itself in one collection,
+# by a move that went mostly that way (its fall at least half the weight delta); and over all such
+# collections the train loss jumped up from the collection before, by 3 standard errors of that jump (the
+# noise of successive collections, the run's trend taken out) and by a tenth.
+ROLLBACK_SHARE = 0.3
+ROLLBACK_LOSS_RISE = 1.1
+
+
+def _rollbacks(run: Run) -> tuple:
+    """([(index, drift before, drift after)] of the collections at which the weights went back toward their
+    start, within a segment (a resume may load older weights on purpose); the train loss's jumps there, each
+    over its successive changes' median, in units of their noise; the mean ratio of the loss there to the
+    loss at the collection before)."""
+    drift, wd, loss = column(run, "drift.overall"), column(run, "weight_delta.overall"), column(run, "loss")
+    events, z, ratios = [], [], []
+    for part in _pieces(segment_ids(run)):
+        x = loss[part]
+        d = _finite(np.diff(x))
+        noise = _noise_sd(_finite(x)) * math.sqrt(2)  # of one successive change
+        for k in range(1, len(part)):
+            i, a, b = part[k], drift[part[k - 1]], drift[part[k]]
+            if not (math.isfinite(a) and math.isfinite(b) and math.isfinite(wd[i]) and a > 0):
+                continue
+            if a - b < ROLLBACK_SHARE * a or a - b < 0.5 * wd[i]:
+                continue
+            events.append((int(i), float(a), float(b)))
+            if math.isfinite(x[k]) and math.isfinite(x[k - 1]) and x[k - 1] > 0 and noise > 0 and len(d):
+                z.append((x[k] - x[k - 1] - float(np.median(d))) / noise)
+                ratios.append(x[k] / x[k - 1])
+    return events, (float(np.mean(z)) * math.sqrt(len(z)) if z else math.nan), \
+        (float(np.mean(ratios)) if ratios else math.nan)
+
+
+def check_weights_rolled_back(run: Run) -> list:
+    """Weights put back toward where they started between two collections, outside the optimizer, with the
+    train loss back up: an EMA or averaged copy loaded for evaluation and never swapped out (a backup taken as
+    model.state_dict() holds the tensors themselves, which load_state_dict overwrites), a checkpoint loaded
+    again, layers re-initialised. Training then goes over the same ground again. A resume is a new segment and
+    not compared across."""
+    events, z, rise = _rollbacks(run)
+    if not (z >= 3 and rise >= ROLLBACK_LOSS_RISE):
+        return []
+    st, loss = steps(run), column(run, "loss")
+    i, a, b = max(events, key=lambda e: (e[1] - e[2]) / e[1])
+    lo, hi = loss[i - 1], loss[i]
+    epochs = column(run, "epoch")
+    at_epochs = all(math.isfinite(epochs[e[0]]) and epochs[e[0]] != epochs[e[0] - 1] for e in events)
+    return [Finding(
+        "weights_rolled_back", "warning",
+        f"at {len(events)} collection(s) the weights went back toward their initial values between two "
+        f"collections{', each at the start of an epoch' if at_epochs and len(events) > 1 else ''}: at step "
+        f"{int(st[i])} their distance from the start fell from {_fmt(a)} to {_fmt(b)} while the train loss went "
+        f"from {_fmt(lo)} to {_fmt(hi)} (at those collections it rose {rise:.2f}x from the one before, on "
+        "average). Something outside the optimizer overwrote them, and training covers the same ground again.",
+        _steps_list(st[[e[0] for e in events]]),
+        hint="Look at what runs there (an evaluation, a checkpoint). Weights swapped for evaluation (EMA, SWA) must "
+             "be swapped back from a copy: backup = copy.deepcopy(model.state_dict()), since model.state_dict() "
+             "holds the very tensors load_state_dict then overwrites. A checkpoint loaded on purpose (the best "
+             "one, at an lr drop) does this too.")]
+
+
 def _optimizer_holds_none(run: Run) -> bool:
     """Whether run.json's groups say the optimizer holds no trainable tensor of the model: every group's
     count 0 (frozen ones), or no group at all (an optimizer built for another instance of the model)."""
@@ -3590,7 +3651,8 @@ def check_metric_errors(run: Run) -> list:
 
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
-CHECKS = (check_section_failed, check_restart_from_scratch, check_gradients_never_zeroed, check_missing_gradients,
+CHECKS = (check_section_failed, check_restart_from_scratch, check_weights_rolled_back,
+          check_gradients_never_zeroed, check_missing_gradients,
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
           check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_labels_not_shifted,
@@ -3614,10 +3676,10 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # finding's stage decides its rank; a finding that a higher-ranked one explains (CONSEQUENCES) is listed
 # under it, not beside it.
 STAGES = (
-    ("section_failed", "restart_from_scratch", "gradients_never_zeroed", "missing_gradients", "not_in_optimizer",
-     "frozen_parameters", "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key",
-     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
-     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
+    ("section_failed", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed", "missing_gradients",
+     "not_in_optimizer", "frozen_parameters", "lr_zero", "lora_not_learning", "lr_collapsed", "lr_below_base",
+     "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
+     "constant_inputs", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "holdout_positions_untrained", "class_imbalance"),
@@ -3638,6 +3700,9 @@ FINDINGS = {
     "restart_from_scratch": (("warning",), "analyzer", "a restart whose weights are not the ones the run left (10x "
                              "the usual change, the holdout loss back where the run began): another training "
                              "written into the same run directory"),
+    "weights_rolled_back": (("warning",), "analyzer", "the weights went back toward their start between two "
+                            "collections and the train loss rose with them: something outside the optimizer "
+                            "overwrote them (an EMA copy swapped in for evaluation and never out)"),
     "gradients_never_zeroed": (("warning",), "analyzer", "the same gradient tensors change once per step in "
                                "place: backward() adds into them and nothing zeroes them"),
     "missing_gradients": (("warning", "critical"), "analyzer", "gradients absent when the hook ran: it was "
@@ -3753,6 +3818,9 @@ CONSEQUENCES = {
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # a model that starts again from fresh weights forgets what the holdout had learned
     "restart_from_scratch": ("forgetting", "overfitting", "loss_spike"),
+    # the loss climbs back where it was, and what the holdout had learned since is undone
+    "weights_rolled_back": ("loss_spike", "loss_oscillating", "loss_diverging", "loss_stalled", "forgetting",
+                            "overfitting"),
     # no dropout: nothing holds back memorising the train set
     "eval_mode": ("overfitting", "forgetting"),
     # a loss without a floor: the outputs, the gradients and the holdout's loss grow without end

@@ -1169,6 +1169,60 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def test_ema_weights_swapped_in_for_evaluation_and_never_out_are_named(tmp_path):
+    """A digits MLP with an EMA (AveragedModel, decay 0.99) whose weights are loaded into the model for an
+    evaluation at the end of every epoch. Restored from a deep copy, training goes on from its own weights.
+    With the backup taken as model.state_dict(), which holds the model's tensors themselves, load_state_dict
+    overwrites the backup too and the "restore" keeps the lagging EMA: every epoch starts again from weights
+    many steps back, and on 797 fresh digits the model ends worse. The analyzer said nothing of it; it now
+    names the epochs' starts, where the weights' distance from their start falls and the loss climbs back."""
+    import copy
+
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, y, raw = standardized(load_digits)
+    x = (raw / 16 - 0.5) / 0.35  # pixels of 0-16: a pixel blank in every training image stays finite elsewhere
+
+    def train(out, restore):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        ema = torch.optim.swa_utils.AveragedModel(model,
+                                                  multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99))
+        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
+        tel.set_holdout_data((x[900:1000], y[900:1000]))
+        gen = torch.Generator().manual_seed(0)
+        for epoch in range(8):
+            order = torch.randperm(900, generator=gen)
+            for i in range(28):
+                idx = order[i * 32:(i + 1) * 32]
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ema.update_parameters(model)
+                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+            backup = copy.deepcopy(model.state_dict()) if restore == "copy" else model.state_dict()
+            model.load_state_dict(ema.module.state_dict())  # evaluate the EMA's weights
+            if restore != "never":
+                model.load_state_dict(backup)
+        tel.close()
+        with torch.no_grad():
+            return F.cross_entropy(model(x[1000:]), y[1000:]).item()
+
+    fresh = {restore: train(tmp_path / restore, restore) for restore in ("copy", "references", "never")}
+    assert fresh["references"] > 1.5 * fresh["copy"] and fresh["never"] > 1.5 * fresh["copy"], fresh
+    run, found = codes(tmp_path / "copy")
+    assert "weights_rolled_back" not in found and not [f for f in found.values() if f.severity != "info"], found
+    for restore in ("references", "never"):
+        run, found = codes(tmp_path / restore)
+        top = at.diagnose(run)[0]
+        assert top.code == "weights_rolled_back", found
+        epochs = {int(r["step"]) for r, before in zip(run.records[1:], run.records) if r["epoch"] != before["epoch"]}
+        assert set(top.steps) <= epochs and len(top.steps) >= 3 and "deepcopy" in top.hint
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_padding_that_keeps_its_labels_is_named(tmp_path, masked):
     """A character GRU on Python's own source, windows of 16-48 characters right-padded to 48 with an
