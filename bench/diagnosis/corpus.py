@@ -77,6 +77,8 @@ PROBLEMS: Dict[str, tuple] = {
     "stale_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
     # the head's weight zeroed and frozen: no gradient passes back to the layers before it
     "zero_frozen_head": ({"gradient_cut"}, {"gradient_cut"}),
+    # an EMA's weights evaluated each epoch and "restored" from model.state_dict(): they stay in the model
+    "ema_swap_kept": ({"weights_rolled_back"}, {"weights_rolled_back"}),
 }
 
 
@@ -227,6 +229,9 @@ SPECS: List[Spec] = [
     S("stale_optimizer", "mlp-digits-adam-model-built-again", "classifier", **digits(opt="adam", lr=1e-3)),
     S("zero_frozen_head", "mlp-digits-adam-head-zeroed-frozen", "classifier", **digits(opt="adam", lr=1e-3)),
     S("zero_frozen_head", "mlp-breast-cancer-sgd-head-zeroed-frozen-dict", "classifier", **cancer(opt="sgd", lr=0.01)),
+    S("ema_swap_kept", "mlp-digits-adam-ema-eval", "classifier", **digits(opt="adam", lr=1e-3)),
+    S("ema_swap_kept", "cnn-digits-sgd-ema-eval-dict", "classifier", **digits(arch="cnn", opt="sgd", lr=0.05,
+                                                                              format="dict")),
 ]
 
 

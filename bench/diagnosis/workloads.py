@@ -196,6 +196,12 @@ def _snapshot(module: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _distance(module: nn.Module, start: Dict[str, torch.Tensor]) -> float:
+    """||w - w_0|| over the module's parameters, in float64."""
+    return math.sqrt(sum(float((p.detach().double() - start[k].double()).square().sum())
+                         for k, p in module.named_parameters()))
+
+
 def _identical(module: nn.Module, start: Dict[str, torch.Tensor]) -> bool:
     now = module.state_dict()
     return all(torch.equal(now[k], v) for k, v in start.items())
@@ -265,6 +271,7 @@ class Trace:
     grad_ids: set = field(default_factory=set)
     pre_clip_norms: List[float] = field(default_factory=list)
     lrs: List[float] = field(default_factory=list)
+    swaps: List[tuple] = field(default_factory=list)  # (distance from the start before, after) of each EMA swap
 
 
 def plant_labels(y: torch.Tensor, spec: Dict[str, Any], k: int, rng: np.random.RandomState) -> torch.Tensor:
@@ -341,6 +348,8 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
             optimizer, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, spec["steps"]) / spec["steps"])))
     if spec.get("schedule") == "warmup":  # linear warmup over `warmup` optimizer steps, then the base lr
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / spec["warmup"]))
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99)) \
+        if plant == "ema_swap_kept" else None
     if plant == "frozen":  # frozen after the optimizer was built: its group keeps lr > 0
         model.backbone.requires_grad_(False)
 
@@ -388,6 +397,8 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
         if spec.get("clip"):  # clip_grad_norm_ at max_norm `clip`; it returns the norm before clipping
             trace.pre_clip_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])))
         optimizer.step()
+        if ema is not None:
+            ema.update_parameters(model)
         trace.lrs.append(optimizer.param_groups[0]["lr"])
         # the warmup_per_epoch plant: the warmup counts optimizer steps, but the loop steps it once per epoch
         if scheduler is not None and (plant != "warmup_per_epoch" or step % per_epoch == 0):
@@ -407,6 +418,12 @@ def train_classifier(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str,
         telemetry.on_batch_end(model, optimizer, step, (step - 1) // per_epoch, batch=batch, loss=loss, **scalars)
         if plant == "eval_mode" and step == per_epoch:  # the bug: model.eval() for a pass, never train() again
             model.eval()
+        if ema is not None and step % per_epoch == 0:  # the EMA's weights evaluated at each epoch's end
+            before = _distance(model, start)
+            backup = model.state_dict()  # the bug: the model's own tensors, not a copy of them
+            model.load_state_dict(ema.module.state_dict())
+            model.load_state_dict(backup)  # "restores" the EMA's weights, which load_state_dict copied into them
+            trace.swaps.append((step, before, _distance(model, start)))
         if plant == "grads_never_zeroed":  # the bug: no zero_grad, so backward() adds into the same gradients
             trace.grad_ids.add(id(next(model.parameters()).grad))
         else:
@@ -591,6 +608,15 @@ def verify_classifier(ctx) -> Verdict:
         return Verdict(acc <= band, f"lr peak {peak:.1e}, test acc {acc:.3f}",
                        f"test acc {acc:.3f} (needs <= {band:.3f}: chance + 3 binomial sigmas); the lr peaked at "
                        f"{peak:.2e}, {peak / spec['lr']:.2%} of the optimizer's {spec['lr']:g}")
+    if plant == "ema_swap_kept":  # each epoch starts again from the lagging EMA's weights, and its loss climbs back
+        back = [(step, a, b) for step, a, b in t.swaps if b < 0.7 * a]
+        rises = [float(np.median(t.losses[step:step + 5])) / float(np.median(t.losses[step - 5:step]))
+                 for step, _, _ in back if step + 5 <= len(t.losses)]
+        ok = len(back) >= 3 and len(rises) >= 3 and float(np.median(rises)) >= 1.2
+        return Verdict(ok, f"{len(back)} rollbacks, loss x{np.median(rises) if rises else math.nan:.2f}",
+                       f"{len(back)} of {len(t.swaps)} swaps put the weights back (their distance from the start "
+                       f"fell by 30% or more; needs 3); the median train loss of the 5 steps after them is "
+                       f"{np.median(rises) if rises else math.nan:.2f}x that of the 5 before (needs >= 1.2)")
     if plant == "zero_frozen_head":  # no gradient reaches the backbone, and the model predicts one class
         x, y = ctx["data"].x["test"], ctx["data"].y["test"]
         model.zero_grad()
