@@ -66,7 +66,8 @@ _OWN_FILES = (RECORDS_FILE, RUN_FILE, LOCK_FILE, "last_checkpoint", "initial_wei
 _SECTION_KEYS = {"start", "reference_step", "grad_profile", "activations", "gradient_norm", "weight_delta",
                  "learning_rates", "holdout_logits", "batch_stats", "telemetry_ms", "nonfinite", "errors", "schema", "lora", "trainer",
                  "layer_stats", "nonfinite_params", "update_ratio", "drift", "weight_norm", "param_change",
-                 "sparse_quality", "alerts", "system", "custom", "grad_scaler", "grads_never_zeroed", "eval_mode"}
+                 "sparse_quality", "alerts", "system", "custom", "grad_scaler", "grads_never_zeroed", "eval_mode",
+                 "accumulation"}
 _GRAD_STATS = ("grad_norm", "grad_mean", "grad_std", "grad_min", "grad_max", "zeros", "nans", "infs")
 MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
 # A spike is also at least this multiple of the rolling median, as the analyzer's loss spikes are: a short
@@ -866,7 +867,7 @@ _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "refere
                     "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
                     "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
                     "batch_stats/input_elements", "batch_stats/holdout_matches", "batch_stats/holdout_checked",
-                    "grads_never_zeroed", "eval_mode")
+                    "grads_never_zeroed", "eval_mode", "accumulation")
 
 
 def flatten_scalars(record: Dict[str, Any], prefix: str = "telemetry", classes: Any = ()) -> Dict[str, float]:
@@ -4005,6 +4006,7 @@ class _Schedule:
         self.batches_per_step = 1  # calls up to the latest step: its micro-batches, where each is passed
         self.collected_at: Optional[int] = None  # batch_idx of the latest collection, until the next step
         self.last_idx: Optional[int] = None  # batch_idx of the previous call
+        self.strides: List[int] = []  # batch_idx's advance between calls one step apart each, the latest three
 
     def advance(self, optimizer: Any, batch_idx: int) -> int:
         """Optimizer steps since the previous call: 0 for a micro-batch."""
@@ -4015,6 +4017,9 @@ class _Schedule:
             taken, self.seen[id(optimizer)] = count - self.seen.get(id(optimizer), 0), count
             if taken:
                 self.batches_per_step = self.calls_without_step + 1
+                if taken == 1 and not self.calls_without_step and self.last_idx is not None \
+                        and batch_idx > self.last_idx:
+                    self.strides = (self.strides + [batch_idx - self.last_idx])[-3:]
             self.calls_without_step = 0 if taken else self.calls_without_step + 1
             taken = max(taken, 0) or (1 if taken < 0 else 0)
         if taken:
@@ -4032,6 +4037,14 @@ class _Schedule:
         there, as at the first call, only a multiple itself counts."""
         last = self.last_idx
         return last is not None and batch_idx > last and batch_idx // self.every > last // self.every
+
+    def micro_batches(self) -> int:
+        """Batches per optimizer step: the calls up to the latest step, where the hook is called for each
+        micro-batch; where it is called only after steps, batch_idx's advance between those calls (the same
+        over the latest three: a loop of gradient accumulation passes its loader's index)."""
+        if self.batches_per_step > 1:
+            return self.batches_per_step
+        return self.strides[0] if len(self.strides) == 3 and len(set(self.strides)) == 1 else 1
 
     def will_collect(self, batch_idx: int) -> bool:
         return self.due or batch_idx % self.every == 0
@@ -4064,6 +4077,16 @@ class _Gradients:
             return None
         steps = step - last[2]
         return steps if steps > 0 and version - last[1] == steps else None
+
+    @staticmethod
+    def accumulation(layout: _Layout, micro_batches: int) -> Optional[Dict[str, int]]:
+        """{"micro_batches", "backward_bound"} where an optimizer step takes several micro-batches: the bound is
+        1 + the most in-place changes that any of the first gradients had when read (a tensor's version
+        counter). Each backward() after the one that made a gradient adds into it in place, as do clipping and
+        unscaling, so the bound is at least the backward() passes the gradients hold: one below micro_batches
+        says zero_grad() ran between the micro-batches and the step used the last ones alone."""
+        versions = [v for p in layout.params[:16] if isinstance(v := getattr(p.grad, "_version", None), int)]
+        return {"micro_batches": micro_batches, "backward_bound": max(versions) + 1} if versions else None
 
     def rows(self, layout: _Layout, optimizer: Any, pre_step: bool) -> tuple:
         """(||g||^2 of this rank's part of each gradient, unscaled, on its device; 1.0 where a gradient
@@ -5417,6 +5440,8 @@ class TrainingTelemetry:
         if cfg.track_gradients:
             c.add("gradient_norm", self._gradients.section, c, layout, optimizer, self.step, ranks)
             c.add("grads_never_zeroed", self._gradients.never_zeroed, layout, self.step)
+            if self._schedule.micro_batches() > 1:
+                c.add("accumulation", self._gradients.accumulation, layout, self._schedule.micro_batches())
         if cfg.track_lora:
             c.add("lora", self._lora.section, model, layout, self._reference, ranks, self.step)
         keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)

@@ -1169,6 +1169,63 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+@pytest.mark.parametrize("hook_on_every_micro_batch", [False, True])
+def test_gradient_accumulation_zeroed_between_micro_batches_is_named(tmp_path, hook_on_every_micro_batch):
+    """Gradient accumulation over 4 micro-batches of the digits, SGD, the loss divided by 4. A loop that calls
+    zero_grad() after every micro-batch steps on the last one's gradient alone: a batch 4x smaller than meant,
+    and on 797 fresh digits a higher loss than the loop that accumulates. The analyzer said nothing. The
+    optimizer steps every 4 batches (the hook sees that from its calls on every micro-batch, or from batch_idx
+    advancing 4 between its calls after the steps alone), and the gradients it reads hold one backward()
+    pass: it is named. Accumulating loops stay quiet, with clipping and with zero_grad(set_to_none=False)."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, y, raw = standardized(load_digits)
+    x = (raw / 16 - 0.5) / 0.35
+
+    def train(out, zero_every_micro_batch=False, set_to_none=True, clip=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=4)
+        tel.set_holdout_data((x[900:1000], y[900:1000]))
+        gen = torch.Generator().manual_seed(0)
+        for epoch in range(6):
+            order = torch.randperm(896, generator=gen)
+            for i in range(56):
+                idx = order[i * 16:(i + 1) * 16]
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                (loss / 4).backward()
+                stepping = (i + 1) % 4 == 0
+                if stepping:
+                    if clip:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                    opt.step()
+                elif zero_every_micro_batch:
+                    opt.zero_grad(set_to_none=set_to_none)
+                if stepping or hook_on_every_micro_batch:
+                    tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+                if stepping:
+                    opt.zero_grad(set_to_none=set_to_none)
+        tel.close()
+        with torch.no_grad():
+            return F.cross_entropy(model(x[1000:]), y[1000:]).item()
+
+    fresh = {"accumulated": train(tmp_path / "accumulated", clip=True),
+             "kept": train(tmp_path / "kept", set_to_none=False),
+             "zeroed": train(tmp_path / "zeroed", zero_every_micro_batch=True)}
+    assert fresh["zeroed"] > 1.2 * fresh["accumulated"], fresh
+    for name in ("accumulated", "kept"):
+        run, found = codes(tmp_path / name)
+        held = [r["accumulation"] for r in run.records if "accumulation" in r]
+        assert len(held) >= len(run.records) - 3 and all(a["micro_batches"] == 4 for a in held), held[:3]
+        assert all(a["backward_bound"] >= 4 for a in held)
+        assert not [f for f in found.values() if f.severity != "info"], found
+    run, found = codes(tmp_path / "zeroed")
+    top = at.diagnose(run)[0]
+    assert top.code == "accumulation_discarded" and "every 4 batches" in top.message and "at most 1 " in top.message
+
+
 def test_ema_weights_swapped_in_for_evaluation_and_never_out_are_named(tmp_path):
     """A digits MLP with an EMA (AveragedModel, decay 0.99) whose weights are loaded into the model for an
     evaluation at the end of every epoch. Restored from a deep copy, training goes on from its own weights.

@@ -108,6 +108,8 @@ def test_accumulated_batches_are_recorded_only_at_optimizer_steps(tmp_path):
     # (taken in on_before_optimizer_step, once per step) is the whole accumulated gradient's.
     module, records, _ = fit(tmp_path, accumulate_grad_batches=2)
     assert [r["batch_idx"] for r in records] == [1, 3, 5] and [r["step"] for r in records] == [1, 2, 3]
+    # both micro-batches' backward() added into the gradients the step took: nothing for the analyzer to name
+    assert all(r["accumulation"]["micro_batches"] == 2 <= r["accumulation"]["backward_bound"] for r in records)
     assert len(module.norms) == 3
     for record, norm in zip(records, module.norms):
         assert math.isclose(record["gradient_norm"]["overall"], norm, rel_tol=1e-6)
