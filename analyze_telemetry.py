@@ -2684,8 +2684,16 @@ def check_holdout_at_chance(run: Run) -> list:
             "If train accuracy is high this is memorisation: more data, augmentation, regularisation. If both are "
             "at chance: check labels line up with inputs, the learning rate, and that the holdout comes from the "
             "same distribution.")
+    still = _holdout_standing_still(run, h)
+    if still is not None:
+        why += (f"; its loss stayed at {_fmt(still[0])} (within {HOLDOUT_STILL:.0%}) at all {still[1]} evaluations, "
+                f"while the train loss went from {_fmt(still[2])} to {_fmt(still[3])} and the weights moved")
+        hint = ("The holdout is not scored with the weights that train: a forward= that calls another model (an EMA "
+                "or averaged copy never updated, a model loaded once, the copy made before training), or "
+                "set_holdout_data given that copy's outputs. Score it with the model passed to on_batch_end, or "
+                "update the copy.")
     spread = _prediction_spread(h) if h.kind == "regression" else None
-    if spread is not None and spread[0] < FLAT_PREDICTIONS * spread[1] and abs(spread[2]) < FLAT_MEAN * spread[1]:
+    if still is None and spread is not None and spread[0] < FLAT_PREDICTIONS * spread[1] and abs(spread[2]) < FLAT_MEAN * spread[1]:
         why += (f"; its predictions barely vary (standard deviation {_fmt(spread[0])} against the targets' "
                 f"{_fmt(spread[1])}) and sit at the targets' mean: about that one value for every example")
         outputs = _num(h.raw[-1].get("outputs", 1)) if h.raw else 1
@@ -2697,6 +2705,27 @@ def check_holdout_at_chance(run: Run) -> list:
                 "the inputs: check that the targets line up with the inputs (an array shuffled or sorted apart "
                 "from them, the wrong column or file).")
     return [Finding("holdout_at_chance", "critical", why + extra + ".", _steps_list(where), hint=hint)]
+
+
+# A holdout loss that stays within this share of itself at every evaluation while the train loss changes by
+# STILL_TRAIN and the weights move is not the training model's: a model that learns or memorises moves it more.
+HOLDOUT_STILL = 0.01
+STILL_TRAIN = 0.2
+
+
+def _holdout_standing_still(run: Run, h: Holdout):
+    """(holdout loss, evaluations, train loss at the start, at the end) when the holdout's loss never moved
+    while the training did; else None."""
+    held, t = _finite(h.loss), _loss_trend(run)
+    drift = _finite(column(run, "drift.overall"))
+    if len(held) < 5 or t is None or not len(drift) or drift[-1] <= 0:
+        return None
+    level = float(np.median(held))
+    if not (level > 0 and held.max() - held.min() <= HOLDOUT_STILL * level):
+        return None
+    if abs(t.last - t.first) < STILL_TRAIN * abs(t.first):
+        return None
+    return level, len(held), t.first, t.last
 
 
 # A regression whose predictions spread less than this share of its targets', with their mean within FLAT_MEAN
