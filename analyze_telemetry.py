@@ -1328,6 +1328,46 @@ def check_lr_below_base(run: Run) -> list:
              "length (OneCycleLR(..., epochs=E, steps_per_epoch=len(loader))); else check the schedule's factor.")]
 
 
+# A OneCycleLR's lr climbs once and then falls for good: falling to under LR_RESTART_FALL of itself from one
+# collection to the next and then climbing LR_RESTART_RISE-fold again is a schedule begun anew.
+LR_RESTART_FALL = 0.5
+LR_RESTART_RISE = 2.0
+
+
+def check_lr_schedule_restarted(run: Run) -> list:
+    """A OneCycleLR (its max_lr in run.json) whose lr fell back and climbed again, twice or more within one
+    process: the scheduler was created again (each epoch, say), and each new one starts its warmup over. The
+    lr saws up and down below max_lr, and the annealing the schedule ends with never comes."""
+    tops = run.meta.get("max_lrs") if isinstance(run.meta.get("max_lrs"), dict) else {}
+    st, seg = steps(run), segment_ids(run)
+    found = {}
+    for g, top in tops.items():
+        lr = column(run, ("learning_rates", g))
+        restarts = []
+        for part in _pieces(seg):
+            x = lr[part]
+            for k in range(1, len(x)):
+                if not (math.isfinite(x[k]) and math.isfinite(x[k - 1]) and 0 < x[k] < LR_RESTART_FALL * x[k - 1]):
+                    continue
+                if np.nanmax(x[k:]) >= LR_RESTART_RISE * x[k]:
+                    restarts.append(int(part[k]))
+        if len(restarts) >= 2 and _has_type(top, (int, float)):
+            found[g] = (restarts, float(np.nanmax(lr)), float(top))
+    if not found:
+        return []
+    g, (restarts, peak, top) = next(iter(found.items()))
+    return [Finding(
+        "lr_schedule_restarted", "warning",
+        f"the OneCycleLR schedule started over {len(restarts)} times: group '{g}''s learning rate fell back to "
+        f"where it began and climbed again, at steps {', '.join(str(int(st[i])) for i in restarts[:6])}"
+        f"{', ...' if len(restarts) > 6 else ''}; it peaked at {_fmt(peak)} ({peak / top:.0%} of max_lr "
+        f"{_fmt(top)}), and the annealing the schedule ends with never came.", _steps_list(st[restarts]),
+        group=g,
+        hint="Create the scheduler once, before the epochs, for the whole run (OneCycleLR(..., epochs=E, "
+             "steps_per_epoch=len(loader)) or total_steps), and step it after every optimizer.step(); when "
+             "resuming, load its state_dict rather than making a new one.")]
+
+
 def check_ignored_group_key(run: Run) -> list:
     """Param-group keys the optimizer never reads that look like one it does ("learning_rate" for "lr"), with
     another value (telemetry.py lists them in run.json): that setting was never applied, and the learning
@@ -3706,6 +3746,7 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_restart_from_scratch, check_weights_rolled_back,
           check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
+          check_lr_schedule_restarted,
           check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_labels_not_shifted,
           check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
@@ -3730,10 +3771,10 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
      "accumulation_discarded", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lr_zero",
-     "lora_not_learning", "lr_collapsed", "lr_below_base", "ignored_group_key", "probability_outputs",
-     "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs", "labels_not_shifted",
-     "gradients_clipped", "integer_targets", "dead_output", "gradient_cut", "train_loss_near_zero",
-     "weights_collapsed", "not_learning"),
+     "lora_not_learning", "lr_collapsed", "lr_below_base", "lr_schedule_restarted", "ignored_group_key",
+     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
+     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
+     "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "holdout_positions_untrained", "class_imbalance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
@@ -3774,6 +3815,9 @@ FINDINGS = {
                      "of the run and stayed there"),
     "lr_below_base": (("warning",), "analyzer", "every learning rate stayed under 1/100 of the lr its scheduler "
                       "started from, over the whole run (a warmup that never ends)"),
+    "lr_schedule_restarted": (("warning",), "analyzer", "a OneCycleLR's learning rate fell back to its start and "
+                              "climbed again, twice or more: the scheduler was created anew (each epoch), and its "
+                              "annealing never came"),
     "ignored_group_key": (("warning",), "analyzer", "a param-group key the optimizer never reads, spelt like one "
                           "it does (learning_rate for lr): that setting was never applied"),
     "eval_mode": (("warning",), "analyzer", "the model trains in eval mode (model.eval() for validation and no "
@@ -3916,6 +3960,8 @@ CONSEQUENCES = {
     "unscaled_targets": _OFF_SCALE,
     "lr_collapsed": _UNTRAINED_PART + ("not_learning",),
     "lr_below_base": _UNTRAINED_PART + ("not_learning",),
+    # a warmup begun again and again: the lr saws below its peak and never anneals
+    "lr_schedule_restarted": ("loss_stalled", "loss_oscillating"),
     # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly
     "probability_outputs": ("loss_stalled", "not_learning", "vanishing_gradients"),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model

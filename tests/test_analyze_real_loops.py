@@ -1169,6 +1169,56 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def test_a_onecycle_schedule_created_again_each_epoch_is_named(tmp_path):
+    """OneCycleLR over the whole run (8 epochs of 28 steps, max_lr 3e-3) created inside the epoch loop: every
+    epoch begins its warmup again, the lr saws between max_lr/25 and 40% of max_lr, and on 797 fresh digits the
+    loss is higher than with the schedule created once. The analyzer said nothing. Created once, in two phases
+    or three, it stays quiet."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, y, raw = standardized(load_digits)
+    x = (raw / 16 - 0.5) / 0.35
+
+    def train(out, anew=False, three_phase=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def schedule():
+            return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=8 * 28, three_phase=three_phase)
+        scheduler = schedule()
+        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=4)
+        tel.set_holdout_data((x[900:1000], y[900:1000]))
+        gen = torch.Generator().manual_seed(0)
+        for epoch in range(8):
+            if anew and epoch:
+                scheduler = schedule()
+            order = torch.randperm(900, generator=gen)
+            for i in range(28):
+                idx = order[i * 32:(i + 1) * 32]
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                scheduler.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+        tel.close()
+        with torch.no_grad():
+            return F.cross_entropy(model(x[1000:]), y[1000:]).item()
+
+    fresh = {"once": train(tmp_path / "once"), "three": train(tmp_path / "three", three_phase=True),
+             "anew": train(tmp_path / "anew", anew=True)}
+    assert fresh["anew"] > 1.2 * fresh["once"], fresh
+    for name in ("once", "three"):
+        run, found = codes(tmp_path / name)
+        assert not [f for f in found.values() if f.severity != "info"], (name, found)
+    run, found = codes(tmp_path / "anew")
+    top = at.diagnose(run)[0]
+    epochs = [int(r["step"]) for r, before in zip(run.records[1:], run.records) if r["epoch"] != before["epoch"]]
+    assert top.code == "lr_schedule_restarted" and top.steps == epochs and len(epochs) == 7, (found, epochs)
+
+
 def test_a_holdout_scored_with_an_ema_never_updated_is_not_called_memorisation(tmp_path):
     """The holdout is scored through forward= on an EMA (AveragedModel) whose update_parameters() the loop
     never calls: on 797 fresh digits the model trained is right 9 times in 10 and the EMA at chance. The
