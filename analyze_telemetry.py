@@ -1358,8 +1358,8 @@ def check_lr_schedule_restarted(run: Run) -> list:
     g, (restarts, peak, top) = next(iter(found.items()))
     return [Finding(
         "lr_schedule_restarted", "warning",
-        f"the OneCycleLR schedule started over {len(restarts)} times: group '{g}''s learning rate fell back to "
-        f"where it began and climbed again, at steps {', '.join(str(int(st[i])) for i in restarts[:6])}"
+        f"the OneCycleLR schedule started over {len(restarts)} times: group '{g}''s learning rate fell to under "
+        f"half of itself from one collection to the next and then climbed again, at steps {', '.join(str(int(st[i])) for i in restarts[:6])}"
         f"{', ...' if len(restarts) > 6 else ''}; it peaked at {_fmt(peak)} ({peak / top:.0%} of max_lr "
         f"{_fmt(top)}), and the annealing the schedule ends with never came.", _steps_list(st[restarts]),
         group=g,
