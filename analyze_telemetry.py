@@ -1784,8 +1784,10 @@ def check_negative_loss(run: Run) -> list:
     lowers them by growing its outputs until they overflow. The lowest finite loss is under 0 and 10 times as far
     from 0 as the first fifth's median (or 1, if more), in a run with class labels (batch counts or a
     holdout); a run that reached NaN counts its finite losses before it. Or the loss is below 0 from the first
-    collection on (90% of its values): a divergence between class distributions given probabilities where it
-    expects log-probabilities, which need not fall far."""
+    collection on, at every value, and not rising toward 0: a divergence between class distributions given
+    probabilities where it expects log-probabilities is never above 0, and falls further as the model learns. A
+    policy gradient's loss, -advantage x log-probability, is below 0 too, but rises toward 0 as the policy
+    settles."""
     h = holdout_data(run)
     classes = h is not None and h.kind == "classification" or bool(section_keys(run, "batch_stats.counts",
                                                                                  skip_overall=False))
@@ -1801,12 +1803,14 @@ def check_negative_loss(run: Run) -> list:
             "F.kl_div(F.log_softmax(student / T, -1), F.softmax(teacher / T, -1), reduction='batchmean')). Binary "
             "targets must be 0 and 1 (labels 1 and 2 minus 1).")
     below = int((x < 0).sum())
-    if x[i] >= -10 * max(abs(first), 1.0) and len(x) >= 5 and below >= 0.9 * len(x) and first < 0:
+    t = _loss_trend(run)
+    rising = t is not None and t.last > t.first + 3 * t.se
+    if x[i] >= -10 * max(abs(first), 1.0) and len(x) >= 5 and below == len(x) and not rising:
         # Below 0 from the first collection, and staying there: no fall to see, but a cross-entropy, a KL
         # divergence or a focal loss of class probabilities cannot be negative at all.
         return [Finding(
             "negative_loss", "critical",
-            f"the train loss of a classifier is below 0 at {below} of its {len(x)} finite values, from the first "
+            f"the train loss of a classifier is below 0 at every one of its {len(x)} finite values, from the first "
             f"(a median {_fmt(first)} over the first fifth, {_fmt(float(x[i]))} at its lowest). A loss on class "
             "probabilities is never negative: cross-entropy, KL divergence and focal loss are 0 at best. KLDivLoss "
             "(F.kl_div) given probabilities where it expects log-probabilities is, and so is NLLLoss on raw "
@@ -2047,7 +2051,8 @@ def check_loss_diverging(run: Run) -> list:
     # where the rise began: the last step the loss was still at or below its level at the start
     low = np.flatnonzero(np.isfinite(loss) & (loss <= t.first + 3 * t.se))
     rise = int(st[low[-1] + 1]) if len(low) and low[-1] + 1 < len(st) else t.where[0]
-    if t.last - t.first > max(3 * t.se, 0.5 * abs(t.first)) and not _began_with_a_bad_batch(run, rise):
+    if t.last - t.first > max(3 * t.se, 0.5 * abs(t.first)) and not _began_with_a_bad_batch(run, rise) \
+            and not _holdout_improved(run):
         # rose by half again, beyond the noise
         reasons.append(f"the train loss rose from median {_fmt(t.first)} over the first fifth of the run to "
                        f"{_fmt(t.last)} over the last ({_change_text(t.first, t.last)})")
@@ -2083,6 +2088,26 @@ def check_loss_diverging(run: Run) -> list:
         "loss_diverging", "warning", "; ".join(reasons) + ".", _steps_list(sorted(where)),
         hint="Lower the learning rate (try 3-10x smaller) or add warmup; clip gradients (clip_grad_norm_); with "
              "ReLU networks a blow-up early on also kills units for good.")]
+
+
+def _holdout_improved(run: Run) -> bool:
+    """Whether the holdout got better over the run, from the medians of its first 3 evaluations and of its last
+    quarter: its loss fell by a tenth and beyond twice its standard error, or its accuracy rose by a tenth and
+    3 binomial sigmas of the difference. Then a train loss that rose does not say the model got worse; what it
+    measures is not the model's fit (a policy gradient's, whose optimum is 0 from below; a penalty that grows)."""
+    h = holdout_data(run)
+    if h is None or len(h.steps) < 5:
+        return False
+    for values, better in ((h.loss, -1), (h.accuracy, 1)):
+        early, late = _finite(values[:3]), _late(h, values)
+        if not len(early) or late is None:
+            continue
+        a, b = float(np.median(early)), late[0]
+        if better < 0 and a > 0 and a - b > max(0.1 * a, 2 * _loss_se(h)):
+            return True
+        if better > 0 and b - a > max(0.1, 3 * math.hypot(_sigma(a, h.n), _sigma(b, h.n))):
+            return True
+    return False
 
 
 KENDALL_POINTS = 400   # at most this many values, evenly spaced, go into Kendall's tau (it compares all pairs)

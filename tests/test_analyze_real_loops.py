@@ -1169,6 +1169,49 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+@pytest.mark.parametrize("rewards", ["baseline", "plus_minus_one"])
+def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
+    """A contextual bandit on the digits trained with REINFORCE: the policy samples a class and is rewarded for
+    the right one; its loss, -advantage x log-probability, is below 0 at most steps (with a running-mean
+    baseline, or rewards of +1 and -1) and rises toward 0 as the policy settles. On 797 fresh digits it is right
+    8 times in 10 or more. The analyzer called it a critical negative_loss ("NLLLoss on raw outputs") and a
+    diverging loss. A loss of class probabilities below 0 from the start (KLDivLoss given probabilities) is
+    below 0 at every step and falls further as the model learns, where this one rises toward 0; and a train loss
+    that rises while the holdout gets better is not a blow-up: the run is quiet now."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, y, raw = standardized(load_digits)
+    x = (raw / 16 - 0.5) / 0.35
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[900:1000], y[900:1000]))
+    gen, baseline, negative, steps = torch.Generator().manual_seed(0), 0.0, 0, 0
+    for epoch in range(20):
+        order = torch.randperm(896, generator=gen)
+        for i in range(14):
+            idx = order[i * 64:(i + 1) * 64]
+            policy = torch.distributions.Categorical(logits=model(x[idx]))
+            action = policy.sample()
+            reward = (action == y[idx]).float()
+            advantage = reward - baseline if rewards == "baseline" else 2 * reward - 1
+            loss = -(advantage * policy.log_prob(action)).mean()
+            baseline = 0.9 * baseline + 0.1 * reward.mean().item()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+            negative, steps = negative + int(loss.item() < 0), steps + 1
+    tel.close()
+    with torch.no_grad():
+        assert (model(x[1000:]).argmax(1) == y[1000:]).float().mean() > 0.8
+    assert negative > steps / 2
+    run, found = codes(tmp_path)
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_a_onecycle_schedule_created_again_each_epoch_is_named(tmp_path):
     """OneCycleLR over the whole run (8 epochs of 28 steps, max_lr 3e-3) created inside the epoch loop: every
     epoch begins its warmup again, the lr saws between max_lr/25 and 40% of max_lr, and on 797 fresh digits the
