@@ -1287,7 +1287,7 @@ def check_lr_collapsed(run: Run) -> list:
              "schedule's length against the number of optimizer steps.")]
 
 
-LR_BELOW_BASE = 0.01   # every group's learning rate under this share of the lr its scheduler started from
+LR_BELOW_BASE = 0.05   # every group's learning rate under this share of the lr its scheduler started from
 # OneCycleLR starts at max_lr / 25 and climbs to max_lr over the first 30% of its steps: a run that never gets
 # past this share of it stepped the schedule once per epoch, or stopped long before the schedule's end.
 LR_BELOW_MAX = 0.25
@@ -3838,7 +3838,7 @@ FINDINGS = {
                 "group's"),
     "lr_collapsed": (("warning",), "analyzer", "the learning rate fell below 1/1000 of its peak in the first half "
                      "of the run and stayed there"),
-    "lr_below_base": (("warning",), "analyzer", "every learning rate stayed under 1/100 of the lr its scheduler "
+    "lr_below_base": (("warning",), "analyzer", "every learning rate stayed under 1/20 of the lr its scheduler "
                       "started from, over the whole run (a warmup that never ends)"),
     "lr_schedule_restarted": (("warning",), "analyzer", "a OneCycleLR's learning rate fell back to its start and "
                               "climbed again, twice or more: the scheduler was created anew (each epoch), and its "

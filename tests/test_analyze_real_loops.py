@@ -2017,7 +2017,8 @@ def test_unfreezing_an_encoder_raises_no_gradient_alert(tmp_path):
     assert not {"grad_explosion", "grad_spike", "exploding_gradients"} & set(found), found
 
 
-@pytest.mark.parametrize("schedule", ["warmup_per_epoch", "warmup_per_step", "one_cycle", "one_cycle_per_epoch"])
+@pytest.mark.parametrize("schedule", ["warmup_per_epoch", "warmup_500_per_epoch", "warmup_per_step", "one_cycle",
+                                      "one_cycle_per_epoch"])
 def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     """The digits MLP with Adam at 2e-3 behind a LambdaLR warmup of 2,000 steps that the loop steps once per
     epoch: over 8 epochs the learning rate never passes 8e-6, and the model stays at chance on fresh digits.
@@ -2025,7 +2026,9 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     from run.json's initial_lrs (the optimizer's lr, which the scheduler records). The same warmup stepped
     per step (50 steps), and a OneCycleLR, which starts at a 25th of its peak, train and are not told. A
     OneCycleLR stepped once per epoch never leaves its start and trails on fresh digits; the analyzer said
-    nothing, since its initial_lr is that start. lr_below_base now reads its max_lr (run.json's max_lrs)."""
+    nothing, since its initial_lr is that start. lr_below_base now reads its max_lr (run.json's max_lrs). A
+    warmup of 500 steps stepped per epoch ends at 1.6% of the lr, and the model is far behind on fresh digits:
+    the threshold was 1% and said nothing; it is 5%."""
     from sklearn.datasets import load_digits
 
     x, y, _ = standardized(load_digits, fit=1000)
@@ -2036,7 +2039,7 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     if schedule.startswith("one_cycle"):
         scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=per_epoch * epochs)
     else:
-        warm = 2000 if schedule == "warmup_per_epoch" else 50
+        warm = {"warmup_per_epoch": 2000, "warmup_500_per_epoch": 500}.get(schedule, 50)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     base = opt.param_groups[0]["initial_lr"]
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1000], y[:1000]), batch_size=32,
@@ -2053,6 +2056,9 @@ def test_a_warmup_that_never_ends_is_named(tmp_path, schedule):
     if schedule == "warmup_per_epoch":
         assert fresh < 0.2 and max(lrs) < 0.005 * 2e-3
         assert at.diagnose(run)[0].code == "lr_below_base" and "0.40%" in found["lr_below_base"].message
+    elif schedule == "warmup_500_per_epoch":
+        assert fresh < 0.8 and 0.01 * 2e-3 < max(lrs) < 0.02 * 2e-3, (fresh, max(lrs))
+        assert at.diagnose(run)[0].code == "lr_below_base" and "1.60%" in found["lr_below_base"].message, found
     elif schedule == "one_cycle_per_epoch":
         assert fresh < 0.9 and max(lrs) < 0.1 * 2e-3, (fresh, max(lrs))
         assert at.diagnose(run)[0].code == "lr_below_base" and "max_lr" in found["lr_below_base"].message
