@@ -1954,10 +1954,44 @@ def check_not_learning(run: Run) -> list:
         # would not help.
         return []
     level = f", the level of a model that knows nothing is {_fmt(untrained)}" if untrained else ""
+    stopped = _stopped_moving(run)
+    if stopped is not None:
+        fast, step, now = stopped
+        return [Finding(
+            "not_learning", "critical",
+            f"the weights stopped moving: their update ratio was up to {_fmt(fast)} per optimizer step until step "
+            f"{step}, and since then a median {_fmt(now)}; the train loss does not fall: {_trend_text(t)}{level}.",
+            _steps_list([step, *t.where[1:]]),
+            hint="Steps that large push units to where they pass no gradient (sigmoid or tanh at their limits, ReLUs "
+                 "that never fire) and the weights behind them stop: lower the learning rate (3-10x) or clip the "
+                 "gradients; a larger one would not help.")]
     return [Finding(
         "not_learning", "critical",
         f"the weights barely move ({why}) and the train loss does not fall: {_trend_text(t)}{level}.",
         _steps_list(t.where), hint=hint)]
+
+
+# Weights that moved this many times STILL_PACE per step early on, and a thousandth of that since, stopped.
+STOPPED_PACE = 100
+
+
+def _stopped_moving(run: Run):
+    """(the fastest update ratio per optimizer step, the last step it was over STOPPED_PACE x STILL_PACE, the
+    median since) when the weights moved fast and then all but stopped at a learning rate that did not fall
+    with them (one that collapsed stops them too: lr_collapsed's); else None."""
+    pace = column(run, "update_ratio.overall")[1:] / _steps_covered(run)[1:]
+    ok = np.isfinite(pace)
+    fast = np.flatnonzero(ok & (pace >= STOPPED_PACE * STILL_PACE))
+    if not len(fast):
+        return None
+    since = _finite(pace[fast[-1] + 1:])
+    if len(since) < 3 or float(np.median(since)) >= STILL_PACE or float(np.median(since)) * 1000 > pace[fast].max():
+        return None
+    lr = column(run, "learning_rates.overall")[1:]
+    before, after = _finite(lr[:fast[-1] + 1]), _finite(lr[fast[-1] + 1:])
+    if len(before) and len(after) and float(np.median(after)) < 0.1 * float(before.max()):
+        return None
+    return float(pace[fast].max()), int(steps(run)[1:][fast[-1]]), float(np.median(since))
 
 
 def check_loss_stalled(run: Run) -> list:

@@ -3634,7 +3634,8 @@ def _warn_about_gradients(record: Dict[str, Any], warn: _Warnings) -> None:
     elif norms["overall"] == 0.0:
         warn("zero-grad", "telemetry: every gradient is exactly 0: zero_grad() ran before on_batch_end (call it "
                           "before zero_grad()), or nothing passes gradient back (an output cut to 0 by a final "
-                          "ReLU, a loss that does not depend on the weights).")
+                          "ReLU, a sigmoid or tanh pushed to its limits by steps too large, a loss that does not "
+                          "depend on the weights).")
 
 
 def custom_metric_values(fn: Callable, model, optimizer, context) -> Dict[str, Any]:

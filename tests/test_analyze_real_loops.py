@@ -1169,6 +1169,50 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def test_weights_that_stopped_after_steps_too_large_are_not_told_to_take_larger_ones(tmp_path):
+    """A digits autoencoder with a sigmoid output, Adam at lr 1.0: the first steps push every output unit to
+    its limit, the gradients underflow to 0 and the weights stop; on fresh digits it reconstructs worse than
+    the mean image, where lr 3e-3 does 3x better than that. The analyzer called it not_learning with "try a
+    10-100x larger learning rate". The weights moved fast before they stopped: it now says so, and to lower
+    the learning rate."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, _, raw = standardized(load_digits)
+    x = raw / 16
+
+    def train(out, lr):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64), nn.Sigmoid())
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
+        tel.set_holdout_data((x[900:1000], x[900:1000]))
+        gen = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "every gradient is exactly 0", at the large lr
+            for epoch in range(8):
+                order = torch.randperm(900, generator=gen)
+                for i in range(28):
+                    idx = order[i * 32:(i + 1) * 32]
+                    loss = F.mse_loss(model(x[idx]), x[idx])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], x[idx]), loss=loss)
+            tel.close()
+        with torch.no_grad():
+            return F.mse_loss(model(x[1000:]), x[1000:]).item()
+
+    mean_image = F.mse_loss(x[:900].mean(0).expand_as(x[1000:]), x[1000:]).item()
+    assert train(tmp_path / "fine", 3e-3) < mean_image / 2 < mean_image < train(tmp_path / "large", 1.0)
+    run, found = codes(tmp_path / "large")
+    top = at.diagnose(run)[0]
+    assert top.code == "not_learning" and "stopped moving" in top.message, found
+    assert "lower the learning rate" in top.hint and "larger" not in top.hint.replace("a larger one would not", "")
+    run, found = codes(tmp_path / "fine")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 @pytest.mark.parametrize("rewards", ["baseline", "plus_minus_one"])
 def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
     """A contextual bandit on the digits trained with REINFORCE: the policy samples a class and is rewarded for
