@@ -1787,14 +1787,16 @@ def check_negative_loss(run: Run) -> list:
     collection on, at every value, and not rising toward 0: a divergence between class distributions given
     probabilities where it expects log-probabilities is never above 0, and falls further as the model learns. A
     policy gradient's loss, -advantage x log-probability, is below 0 too, but rises toward 0 as the policy
-    settles."""
+    settles. A run without classes: see _loss_without_floor."""
     h = holdout_data(run)
     classes = h is not None and h.kind == "classification" or bool(section_keys(run, "batch_stats.counts",
                                                                                  skip_overall=False))
     loss = column(run, "loss")
     ok = np.isfinite(loss)
     x, st = loss[ok], steps(run)[ok]
-    if not classes or len(x) < 3:
+    if not classes:
+        return _loss_without_floor(x, st)
+    if len(x) < 3:
         return []
     first = float(np.median(x[:max(1, len(x) // 5)]))
     i = int(np.argmin(x))
@@ -1824,6 +1826,31 @@ def check_negative_loss(run: Run) -> list:
         "probabilities is never negative. NLLLoss on raw outputs (minus the label's output) is, and so is binary "
         "cross-entropy against targets above 1: the model lowers them by growing its outputs without end.",
         _steps_list([st[0], st[i]]), hint=hint)]
+
+
+UNBOUNDED = 1e6   # a loss this many times as far below 0 as it started (from above 0, or from 1) has no floor
+
+
+def _loss_without_floor(x: np.ndarray, st: np.ndarray) -> list:
+    """negative_loss for any loss, not a classifier's: one that started above 0 and fell below 0 by UNBOUNDED
+    times its first value (a run that reached NaN counts its finite losses before it). A regression's or an
+    autoencoder's loss, a likelihood's even, never goes that far on its own: a term added with the wrong sign
+    (a VAE's KL divergence subtracted) lets the model drive it down without end."""
+    if len(x) < 3 or not x[0] > 0:
+        return []
+    i = int(np.argmin(x))
+    if not x[i] < -UNBOUNDED * max(float(x[0]), 1.0):
+        return []
+    below = int(np.argmax(x < 0))
+    return [Finding(
+        "negative_loss", "critical",
+        f"the train loss fell below 0 and on without bound: {_fmt(float(x[0]))} at the first collection, below 0 "
+        f"from step {int(st[below])}, {_fmt(float(x[i]))} at step {int(st[i])}. The objective has no floor, and the "
+        "model drives it down by growing its outputs or weights, not by fitting the data.",
+        _steps_list([st[0], st[below], st[i]]),
+        hint="Check the sign of each term of the loss: a term to minimise that is subtracted (a VAE's KL divergence, "
+             "a penalty) or one to maximise that is added; a log-likelihood whose variance may shrink to 0 needs a "
+             "floor on it.")]
 
 
 COPIED = 0.8   # a language model whose top prediction is the token at its own position this often copies its input
@@ -3882,7 +3909,8 @@ FINDINGS = {
     "eval_mode": (("warning",), "analyzer", "the model trains in eval mode (model.eval() for validation and no "
                   "model.train() after it): its dropout is off and its BatchNorm statistics frozen"),
     "negative_loss": (("critical",), "analyzer", "a classifier's train loss falls below 0 and on without bound: "
-                      "NLLLoss on raw outputs, not log-probabilities, or binary targets above 1"),
+                      "NLLLoss on raw outputs, not log-probabilities, or binary targets above 1; or any loss falls "
+                      "below 0 by a million times its start: a term with its sign flipped (a VAE's KL subtracted)"),
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),

@@ -1169,6 +1169,67 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def test_a_vae_whose_kl_term_is_subtracted_is_a_loss_without_floor(tmp_path):
+    """A digits VAE (8 latent dimensions) whose loss subtracts the KL divergence instead of adding it: the
+    encoder grows its variances without end, the loss falls from about 45 to -1e20 and beyond, and on fresh
+    digits the reconstruction is worse than the mean image's. The analyzer led with exploding_gradients
+    ("lower the learning rate"), and called the holdout's rise overfitting on a train loss of -1e22. A loss
+    that falls below 0 and on by a million times its start now leads as negative_loss, whatever the model;
+    the same VAE with the KL added is quiet."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, _, raw = standardized(load_digits)
+    x = raw / 16
+
+    class VAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 16))
+            self.dec = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 64))
+
+        def forward(self, v):
+            mu, log_var = self.enc(v).chunk(2, -1)
+            z = mu + torch.randn_like(mu) * (0.5 * log_var).exp() if self.training else mu
+            return torch.sigmoid(self.dec(z)), mu, log_var
+
+    def train(out, sign):
+        torch.manual_seed(0)
+        model = VAE()
+        opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
+        tel.set_holdout_data((x[900:1000], x[900:1000]), output=0)
+        gen = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the subtracted KL's blow-up: non-finite alerts
+            for epoch in range(20):
+                order = torch.randperm(896, generator=gen)
+                for i in range(14):
+                    idx = order[i * 64:(i + 1) * 64]
+                    recon, mu, log_var = model(x[idx])
+                    bce = F.binary_cross_entropy(recon, x[idx], reduction="none").sum(1).mean()
+                    kl = (-0.5 * (1 + log_var - mu ** 2 - log_var.exp()).sum(1)).mean()
+                    loss = bce + sign * kl
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], x[idx]), loss=loss)
+            tel.close()
+        model.eval()
+        with torch.no_grad():
+            return F.mse_loss(model(x[1000:])[0], x[1000:]).item()
+
+    mean_image = F.mse_loss(x[:900].mean(0).expand_as(x[1000:]), x[1000:]).item()
+    assert train(tmp_path / "added", 1) < 0.8 * mean_image
+    assert not train(tmp_path / "subtracted", -1) < mean_image  # NaN counts as worse
+    run, found = codes(tmp_path / "added")
+    assert not [f for f in found.values() if f.severity != "info"], found
+    run, found = codes(tmp_path / "subtracted")
+    top = at.diagnose(run)[0]
+    assert top.code == "negative_loss" and "without bound" in top.message and "KL" in top.hint, found
+    assert min(r["loss"] for r in run.records if isinstance(r.get("loss"), float)) < -1e6
+
+
 def test_weights_that_stopped_after_steps_too_large_are_not_told_to_take_larger_ones(tmp_path):
     """A digits autoencoder with a sigmoid output, Adam at lr 1.0: the first steps push every output unit to
     its limit, the gradients underflow to 0 and the weights stop; on fresh digits it reconstructs worse than
