@@ -1140,6 +1140,23 @@ def check_nonfinite(run: Run) -> list:
     return [Finding("nonfinite", "critical", msg, _steps_list(first[p] for p in order), group=group, hint=hint)]
 
 
+def check_optimizers_in_turn(run: Run) -> list:
+    """on_batch_end called after each of several optimizers in turn (a GAN's two steps), which telemetry warned
+    of and noted in run.json: each record holds the groups of the optimizer of its call alone, so the others'
+    tensors read as held by no optimizer, a batch handed to both calls as a repeated batch, and the weight
+    deltas restart at every collection. What the records say of optimizers and batches follows from that."""
+    if run.meta.get("optimizers_in_turn") is not True:
+        return []
+    return [Finding(
+        "optimizers_in_turn", "warning",
+        "on_batch_end was called after each of several optimizers in turn: each record holds one optimizer's "
+        "groups, steps count once per call, and a batch passed to both calls counts twice. What the records say "
+        "of tensors outside the optimizer, repeated batches and weight deltas comes from that, not from the "
+        "training.", _steps_list(steps(run)[:1]),
+        hint="Call it once per training step, after every optimizer stepped, with them as a list: "
+             "on_batch_end(model, [opt_d, opt_g], ...).")]
+
+
 def check_gradients_never_zeroed(run: Run) -> list:
     """The loop never zeroes the gradients: at two or more collections telemetry saw the same gradient tensor
     changed in place exactly once per optimizer step since the previous one (backward() adding into it),
@@ -3829,7 +3846,7 @@ def check_metric_errors(run: Run) -> list:
 
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
-CHECKS = (check_section_failed, check_restart_from_scratch, check_weights_rolled_back,
+CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scratch, check_weights_rolled_back,
           check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
           check_lr_schedule_restarted,
@@ -3855,7 +3872,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # finding's stage decides its rank; a finding that a higher-ranked one explains (CONSEQUENCES) is listed
 # under it, not beside it.
 STAGES = (
-    ("section_failed", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
+    ("section_failed", "optimizers_in_turn", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
      "accumulation_discarded", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lr_zero",
      "lora_not_learning", "lr_collapsed", "lr_below_base", "lr_schedule_restarted", "ignored_group_key",
      "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
@@ -3877,6 +3894,8 @@ STAGES = (
 FINDINGS = {
     "section_failed": (("critical",), "analyzer", "a telemetry section failed at every collection, so the "
                        "run has none of it (the records' errors name why)"),
+    "optimizers_in_turn": (("warning",), "analyzer", "on_batch_end called after each of several optimizers in turn: "
+                           "each record holds one optimizer's groups (pass them as a list, once per step)"),
     "restart_from_scratch": (("warning",), "analyzer", "a restart whose weights are not the ones the run left (10x "
                              "the usual change, the holdout loss back where the run began): another training "
                              "written into the same run directory"),
@@ -4005,6 +4024,10 @@ CONSEQUENCES = {
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
+    # each record sees one optimizer: the others' tensors are in none, the batch is passed twice, deltas restart
+    "optimizers_in_turn": ("not_in_optimizer", "repeated_batches", "frozen_group", "frozen_parameters",
+                           "missing_gradients", "gradient_cut", "not_learning", "loss_spike", "loss_oscillating",
+                           "exploding_gradients", "weights_rolled_back"),
     # a model that starts again from fresh weights forgets what the holdout had learned
     "restart_from_scratch": ("forgetting", "overfitting", "loss_spike"),
     # the loss climbs back where it was, and what the holdout had learned since is undone

@@ -5240,6 +5240,8 @@ class TrainingTelemetry:
             return
         live = [r for r in self._passed if r() is not None]
         if any(r() is optimizer for r in live):
+            if not self._files.info.get("optimizers_in_turn"):  # for the analyzer: the records alternate
+                self._files.update_info(optimizers_in_turn=True)
             self._warn("turns", "telemetry: on_batch_end gets different optimizers in turn for one model; each "
                                 "call sees only its optimizer's groups, so the records alternate between them and "
                                 "the weight deltas restart at every collection. Call it once per step, after all "

@@ -848,7 +848,7 @@ def test_a_gan_calling_the_hook_after_each_optimizer_is_warned(tmp_path):
     """A GAN on the digits: called once per step with both optimizers as a list, each one's group norm is its
     own model's gradient then (get_total_norm) and nothing is warned; called after each optimizer's step in
     turn, the records would alternate between D's and G's groups and never hold a delta: a warning says so,
-    once. An optimizer rebuilt for good (after unfreezing) is not a turn."""
+    once, and the analyzer leads with it. An optimizer rebuilt for good (after unfreezing) is not a turn."""
     x, y = digits()
     bce = nn.functional.binary_cross_entropy_with_logits
 
@@ -889,6 +889,14 @@ def test_a_gan_calling_the_hook_after_each_optimizer_is_warned(tmp_path):
     assert all(r["weight_delta"]["overall"] > 0 for r in records[1:])
     _, _, turns = gan("in_turn", as_list=False)
     assert len(turns) == 1 and "[opt_a, opt_b]" in turns[0]
+    # run.json notes it, and the analyzer puts what the alternating records say (D's tensors in no optimizer
+    # at G's calls) under it, where before it named them as the run's problem
+    import analyze_telemetry as at
+    for run, in_turn in (("list", False), ("in_turn", True)):
+        analysed = at.load_run(tmp_path / run, progress=False)
+        assert analysed.meta.get("optimizers_in_turn", False) is in_turn
+        top = at.diagnose(analysed)
+        assert (bool(top) and top[0].code == "optimizers_in_turn") is in_turn, top
 
     model = mlp()
     tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "rebuilt"), collect_every_n=1))
