@@ -3717,6 +3717,10 @@ def check_saturated_units(run: Run) -> list:
     # The model's output squashed by a sigmoid is meant to sit at 0 or 1 once the model is sure.
     output = lambda name, units: name == (layers[-1] if layers else None) and units <= classes  # noqa: E731
     rows = _unhealthy_units(run, "saturated", SATURATED_SHARE, output)
+    # The layer before the output head (a transformer's tanh pooler) saturating as the holdout gets better is
+    # the model growing sure of its examples, not a layer that cannot train: it did not start that way.
+    if rows and _holdout_improved(run):
+        rows = [r for r in rows if not (r[0] == layers[-1] and r[2] < SATURATED_SHARE)]
     if not rows:
         return []
     n = _get(run.meta, ["holdout", "examples"])
