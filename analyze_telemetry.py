@@ -1820,7 +1820,8 @@ def check_negative_loss(run: Run) -> list:
     hint = ("Use F.cross_entropy on the logits, or F.nll_loss on log_softmax(logits): nll_loss expects "
             "log-probabilities, and so does the input of KLDivLoss / F.kl_div (distillation: "
             "F.kl_div(F.log_softmax(student / T, -1), F.softmax(teacher / T, -1), reduction='batchmean')). Binary "
-            "targets must be 0 and 1 (labels 1 and 2 minus 1).")
+            "targets must be 0 and 1 (labels 1 and 2 minus 1). And check the loss's sign: minus a cross-entropy "
+            "falls without end too, as the model learns to avoid the right class.")
     below = int((x < 0).sum())
     t = _loss_trend(run)
     rising = t is not None and t.last > t.first + 3 * t.se
@@ -2823,7 +2824,8 @@ def check_holdout_at_chance(run: Run) -> list:
     extra = f"; train accuracy meanwhile is {tacc:.3f}" if math.isfinite(tacc) else ""
     hint = ("Below chance means a systematic mapping to wrong classes: check that the labels line up with the "
             "inputs (an off-by-one class index, a label array shuffled or sorted apart from the inputs, a class "
-            "map that differs between train and holdout)." if below else
+            "map that differs between train and holdout), and the loss's sign (a loss maximised, not minimised, "
+            "teaches the model to avoid the right class)." if below else
             "If train accuracy is high this is memorisation: more data, augmentation, regularisation. If both are "
             "at chance: check labels line up with inputs, the learning rate, and that the holdout comes from the "
             "same distribution.")

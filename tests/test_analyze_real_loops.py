@@ -1169,6 +1169,34 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def test_a_loss_with_its_sign_flipped_is_told_to_check_the_sign(tmp_path):
+    """A digits MLP trained on minus the cross-entropy (a loss to maximise, minimised): it learns to avoid the
+    right class and ends at chance on fresh digits, and its loss falls without end. negative_loss leads, and
+    its hint now names the loss's sign beside NLLLoss on raw outputs (as the holdout's hint below chance does)."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, y, raw = standardized(load_digits)
+    x = (raw / 16 - 0.5) / 0.35
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[900:1000], y[900:1000]))
+    for i in range(1, 141):
+        idx = slice((i * 32) % 896, (i * 32) % 896 + 32)
+        loss = -F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, 0, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+    with torch.no_grad():
+        assert (model(x[1000:]).argmax(1) == y[1000:]).float().mean() < 0.15
+    run, found = codes(tmp_path)
+    assert at.diagnose(run)[0].code == "negative_loss" and "loss's sign" in found["negative_loss"].hint, found
+
+
 def test_a_last_tanh_layer_that_saturates_as_the_model_grows_sure_is_quiet(tmp_path):
     """A digits MLP whose last hidden layer is a tanh (as a transformer's pooler is), Adam at 1e-2: over the
     run half its units go to a flat end on the holdout, as the model grows sure of its examples, and on fresh
