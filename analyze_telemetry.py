@@ -3720,9 +3720,12 @@ def check_saturated_units(run: Run) -> list:
     output = lambda name, units: name == (layers[-1] if layers else None) and units <= classes  # noqa: E731
     rows = _unhealthy_units(run, "saturated", SATURATED_SHARE, output)
     # The layer before the output head (a transformer's tanh pooler) saturating as the holdout gets better is
-    # the model growing sure of its examples, not a layer that cannot train: it did not start that way.
+    # the model growing sure of its examples, not a layer that cannot train: it did not start that way, nor get
+    # there in the first tenth of the run (steps too large put it there at once).
+    st = steps(run)
+    settled = st[0] + 0.1 * (st[-1] - st[0]) if len(st) else math.inf
     if rows and _holdout_improved(run):
-        rows = [r for r in rows if not (r[0] == layers[-1] and r[2] < SATURATED_SHARE)]
+        rows = [r for r in rows if not (r[0] == layers[-1] and r[2] < SATURATED_SHARE and r[3] >= settled)]
     if not rows:
         return []
     n = _get(run.meta, ["holdout", "examples"])

@@ -1198,11 +1198,12 @@ def test_a_loss_with_its_sign_flipped_is_told_to_check_the_sign(tmp_path):
 
 
 def test_a_last_tanh_layer_that_saturates_as_the_model_grows_sure_is_quiet(tmp_path):
-    """A digits MLP whose last hidden layer is a tanh (as a transformer's pooler is), Adam at 1e-2: over the
-    run half its units go to a flat end on the holdout, as the model grows sure of its examples, and on fresh
-    digits it is right 97 times in 100. The analyzer warned saturated_units and hinted at a smaller init or
-    learning rate. The layer before the output saturating during a run whose holdout gets better is no
-    finding; one saturated from the first collection still is (the corpus's tanh init x10)."""
+    """A digits MLP whose last hidden layer is a tanh (as a transformer's pooler is), Adam at 5e-3: from a
+    fifth of the way in, a third of its units go to a flat end on the holdout as the model grows sure of its
+    examples, and on fresh digits it is right 97 times in 100. The analyzer warned saturated_units and hinted
+    at a smaller init or learning rate. The layer before the output saturating during a run whose holdout
+    gets better is no finding; one saturated from the first collection, or within the run's first tenth
+    (steps too large), still is."""
     from sklearn.datasets import load_digits
     from telemetry import TrainingTelemetry
 
@@ -1210,11 +1211,11 @@ def test_a_last_tanh_layer_that_saturates_as_the_model_grows_sure_is_quiet(tmp_p
     x = (raw / 16 - 0.5) / 0.35
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
     tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
     tel.set_holdout_data((x[900:1000], y[900:1000]))
     gen = torch.Generator().manual_seed(0)
-    for epoch in range(15):
+    for epoch in range(20):
         order = torch.randperm(900, generator=gen)
         for i in range(28):
             idx = order[i * 32:(i + 1) * 32]
@@ -1228,7 +1229,7 @@ def test_a_last_tanh_layer_that_saturates_as_the_model_grows_sure_is_quiet(tmp_p
         assert (model(x[1000:]).argmax(1) == y[1000:]).float().mean() > 0.95
     run, found = codes(tmp_path)
     saturated = [r["activations"]["3"]["saturated"] for r in run.records if "activations" in r]
-    assert saturated[0] < at.SATURATED_SHARE < 0.4 < saturated[-1]
+    assert saturated[0] < at.SATURATED_SHARE < 0.3 < saturated[-1]
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
