@@ -1385,6 +1385,39 @@ def check_lr_schedule_restarted(run: Run) -> list:
              "resuming, load its state_dict rather than making a new one.")]
 
 
+# nn.Dropout's p is the share dropped: this much is TensorFlow's keep_prob written as p, or near it; and a
+# train loss (with dropout) this many times the holdout's (without) over the run's end is held back by it.
+DROPOUT_HIGH = 0.8
+DROPOUT_HELD_BACK = 1.5
+
+
+def check_dropout_too_high(run: Run) -> list:
+    """Dropout layers that drop DROPOUT_HIGH or more of their inputs (run.json's dropout), while the train loss
+    over the last fifth of the run is DROPOUT_HELD_BACK times the holdout's over its last quarter: the holdout
+    is scored in eval mode, without the dropout, and the gap is what the dropout costs the training."""
+    heavy = {name: p for name, p in (run.meta.get("dropout") or {}).items()
+             if _has_type(p, (int, float)) and p >= DROPOUT_HIGH} if isinstance(run.meta.get("dropout"), dict) else {}
+    h, t = holdout_data(run), _loss_trend(run)
+    late = _late(h, h.loss) if h and h.kind in ("classification", "regression") else None
+    if not heavy or t is None or late is None or not late[0] > 0:
+        return []
+    untrained, _ = _chance_losses(run)
+    if untrained is not None and _train_loss_on_another_scale(run, untrained):
+        return []
+    if t.last < DROPOUT_HELD_BACK * late[0]:
+        return []
+    names = sorted(heavy, key=lambda n: -heavy[n])
+    listed = ", ".join(f"{n} (p={heavy[n]:g})" for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    return [Finding(
+        "dropout_too_high", "warning",
+        f"{len(heavy)} dropout layer(s) drop {min(heavy.values()):.0%} or more of their inputs while training: "
+        f"{listed}. The train loss over the last fifth of the run is {_fmt(t.last)}, {t.last / late[0]:.2g}x the "
+        f"holdout's {_fmt(late[0])}, which is scored without dropout: the dropout holds the training back.",
+        _steps_list(t.where),
+        hint="nn.Dropout(p) takes the share to drop, not the share to keep (TensorFlow's keep_prob): p=0.1 keeps "
+             "90%. Lower p; 0.1-0.5 is usual.")]
+
+
 def check_ignored_group_key(run: Run) -> list:
     """Param-group keys the optimizer never reads that look like one it does ("learning_rate" for "lr"), with
     another value (telemetry.py lists them in run.json): that setting was never applied, and the learning
@@ -3858,7 +3891,7 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scratch, check_weights_rolled_back,
           check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
-          check_lr_schedule_restarted,
+          check_lr_schedule_restarted, check_dropout_too_high,
           check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_labels_not_shifted,
           check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
@@ -3883,9 +3916,9 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "optimizers_in_turn", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
      "accumulation_discarded", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lr_zero",
-     "lora_not_learning", "lr_collapsed", "lr_below_base", "lr_schedule_restarted", "ignored_group_key",
-     "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss", "constant_inputs",
-     "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
+     "lora_not_learning", "lr_collapsed", "lr_below_base", "lr_schedule_restarted", "dropout_too_high",
+     "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
+     "constant_inputs", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "holdout_positions_untrained", "class_imbalance"),
@@ -3929,6 +3962,8 @@ FINDINGS = {
                      "of the run and stayed there"),
     "lr_below_base": (("warning",), "analyzer", "every learning rate stayed under 1/20 of the lr its scheduler "
                       "started from, over the whole run (a warmup that never ends)"),
+    "dropout_too_high": (("warning",), "analyzer", "dropout layers drop 80% or more of their inputs and the train "
+                         "loss stays far above the holdout's: p is the share dropped, not kept (keep_prob)"),
     "lr_schedule_restarted": (("warning",), "analyzer", "a OneCycleLR's learning rate fell back to its start and "
                               "climbed again, twice or more: the scheduler was created anew (each epoch), and its "
                               "annealing never came"),
@@ -4079,6 +4114,8 @@ CONSEQUENCES = {
     "unscaled_targets": _OFF_SCALE,
     "lr_collapsed": _UNTRAINED_PART + ("not_learning",),
     "lr_below_base": _UNTRAINED_PART + ("not_learning",),
+    # most of each layer's inputs dropped: the training fits slowly, and no better than the dropout lets it
+    "dropout_too_high": ("loss_stalled", "not_learning"),
     # a warmup begun again and again: the lr saws below its peak and never anneals
     "lr_schedule_restarted": ("loss_stalled", "loss_oscillating"),
     # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly

@@ -3537,6 +3537,11 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
     if layout.beyond:
         info["not_in_model"] = {"tensors": len(layout.beyond), "elements": sum(p.numel() for _, p in layout.beyond),
                                 "groups": sorted({g for g, _ in layout.beyond})}
+    # a share dropped of half or more: TensorFlow's keep_prob written as torch's p drops what it meant to keep
+    heavy = {name: float(m.p) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and isinstance(m.p, (int, float)) and m.p >= 0.5}
+    if heavy:
+        info["dropout"] = heavy
     return info
 
 

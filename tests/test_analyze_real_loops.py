@@ -1169,6 +1169,50 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
+    """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
+    mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
+    analyzer said nothing. run.json now lists dropout layers of p 0.5 or more, and a p of 0.8 or more while the
+    train loss stays 1.5x the holdout's (scored without dropout) is named. p=0.1 and p=0.5 stay quiet."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, y, raw = standardized(load_digits)
+    x = (raw / 16 - 0.5) / 0.35
+
+    def train(out, p):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(p), nn.Linear(128, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
+        tel.set_holdout_data((x[900:1000], y[900:1000]))
+        gen = torch.Generator().manual_seed(0)
+        for epoch in range(8):
+            order = torch.randperm(900, generator=gen)
+            for i in range(28):
+                idx = order[i * 32:(i + 1) * 32]
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+        tel.close()
+        model.eval()
+        with torch.no_grad():
+            return F.cross_entropy(model(x[1000:]), y[1000:]).item()
+
+    fresh = {p: train(tmp_path / str(p), p) for p in (0.1, 0.5, 0.9)}
+    assert fresh[0.9] > 1.5 * fresh[0.1], fresh
+    for p in (0.1, 0.5):
+        run, found = codes(tmp_path / str(p))
+        assert run.meta.get("dropout") == ({"2": 0.5} if p == 0.5 else None)
+        assert not [f for f in found.values() if f.severity != "info"], (p, found)
+    run, found = codes(tmp_path / "0.9")
+    assert run.meta["dropout"] == {"2": pytest.approx(0.9)}
+    top = at.diagnose(run)[0]
+    assert top.code == "dropout_too_high" and "keep_prob" in top.hint, found
+
+
 def test_a_loss_with_its_sign_flipped_is_told_to_check_the_sign(tmp_path):
     """A digits MLP trained on minus the cross-entropy (a loss to maximise, minimised): it learns to avoid the
     right class and ends at chance on fresh digits, and its loss falls without end. negative_loss leads, and
