@@ -2203,22 +2203,30 @@ def check_loss_diverging(run: Run) -> list:
 
 
 def _holdout_improved(run: Run) -> bool:
-    """Whether the holdout got better over the run, from the medians of its first 3 evaluations and of its last
-    quarter: its loss fell by a tenth and beyond twice its standard error, or its accuracy rose by a tenth and
-    3 binomial sigmas of the difference. Then a train loss that rose does not say the model got worse; what it
-    measures is not the model's fit (a policy gradient's, whose optimum is 0 from below; a penalty that grows)."""
+    """Whether the holdout got better over the run and ended near its best, from the medians of its first 3
+    evaluations and of its last quarter: its loss fell by a tenth and beyond twice its standard error and ends
+    within a tenth (and that error) of its lowest, or its accuracy rose by a tenth and 3 binomial sigmas of the
+    difference and ends within 0.05 (and 3 sigmas) of its highest (both smoothed over 3 evaluations). Then a
+    train loss that rose does not say the model got worse; what it measures is not the model's fit (a policy
+    gradient's, whose optimum is 0 from below; a penalty that grows). A run that learned and then blew up
+    ends far from its best."""
     h = holdout_data(run)
     if h is None or len(h.steps) < 5:
         return False
     for values, better in ((h.loss, -1), (h.accuracy, 1)):
-        early, late = _finite(values[:3]), _late(h, values)
-        if not len(early) or late is None:
+        early, late, ok = _finite(values[:3]), _late(h, values), _finite(values)
+        if not len(early) or late is None or len(ok) < 3:
             continue
         a, b = float(np.median(early)), late[0]
-        if better < 0 and a > 0 and a - b > max(0.1 * a, 2 * _loss_se(h)):
-            return True
-        if better > 0 and b - a > max(0.1, 3 * math.hypot(_sigma(a, h.n), _sigma(b, h.n))):
-            return True
+        if better < 0:
+            best, se = float(_smooth3(ok).min()), 2 * _loss_se(h)
+            if a > 0 and a - b > max(0.1 * a, se) and b - best <= max(0.1 * best, se):
+                return True
+        else:
+            best = float(_smooth3(ok).max())
+            if b - a > max(0.1, 3 * math.hypot(_sigma(a, h.n), _sigma(b, h.n))) \
+                    and best - b <= max(0.05, 3 * _sigma(best, h.n)):
+                return True
     return False
 
 

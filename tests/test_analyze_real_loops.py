@@ -1425,6 +1425,42 @@ def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_a_run_that_learned_and_then_blew_up_is_still_diverging(tmp_path):
+    """A digits MLP that learns for 3 epochs (SGD at 0.05, 0.9 on the holdout) and then trains at lr 0.45:
+    its train loss rises 4x and on fresh digits it ends right 3 times in 10. Its holdout ends better than
+    its untrained start, but far from its best: a train loss that rose is named a divergence, where a holdout
+    that ends better than it started and near its best (a policy gradient's, above) would have silenced it."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    _, y, raw = standardized(load_digits)
+    x = (raw / 16 - 0.5) / 0.35
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[900:1000], y[900:1000]))
+    gen = torch.Generator().manual_seed(0)
+    for epoch in range(10):
+        if epoch == 3:
+            opt.param_groups[0]["lr"] = 0.45
+        order = torch.randperm(900, generator=gen)
+        for i in range(28):
+            idx = order[i * 32:(i + 1) * 32]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+    with torch.no_grad():
+        assert (model(x[1000:]).argmax(1) == y[1000:]).float().mean() < 0.5
+    run, found = codes(tmp_path)
+    h = at.holdout_data(run)
+    assert max(h.accuracy) > 0.85 and h.accuracy[0] < at._late(h, h.accuracy)[0] < 0.6
+    assert "loss_diverging" in found and "train loss rose" in found["loss_diverging"].message, found
+
+
 def test_a_onecycle_schedule_created_again_each_epoch_is_named(tmp_path):
     """OneCycleLR over the whole run (8 epochs of 28 steps, max_lr 3e-3) created inside the epoch loop: every
     epoch begins its warmup again, the lr saws between max_lr/25 and 40% of max_lr, and on 797 fresh digits the
