@@ -1169,34 +1169,56 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def digit_pixels():
+    """(x, y) of scikit-learn's digits, shuffled as standardized() does, their pixels of 0-16 centred and scaled
+    by fixed constants: a pixel blank in every training image stays finite elsewhere, where a standardisation
+    would divide it by its spread of 0."""
+    from sklearn.datasets import load_digits
+
+    _, y, raw = standardized(load_digits)
+    return (raw / 16 - 0.5) / 0.35, y
+
+
+def digit_epochs(out, model, opt, x, y, epochs, loss_fn=F.cross_entropy, every=5, after_step=None,
+                 before_epoch=None, after_epoch=None, **holdout):
+    """`epochs` shuffled passes over examples 0-899 of (x, y) in 28 batches of 32 (a generator seeded 0), with
+    the real TrainingTelemetry collecting every `every` steps into `out` and examples 900-999 as its holdout
+    (`holdout` goes to set_holdout_data). after_step() runs between optimizer.step() and the hook, and
+    before_epoch(epoch) and after_epoch(epoch) around each epoch's batches."""
+    from telemetry import TrainingTelemetry
+
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=every)
+    tel.set_holdout_data((x[900:1000], y[900:1000]), **holdout)
+    gen = torch.Generator().manual_seed(0)
+    for epoch in range(epochs):
+        if before_epoch is not None:
+            before_epoch(epoch)
+        order = torch.randperm(900, generator=gen)
+        for i in range(28):
+            idx = order[i * 32:(i + 1) * 32]
+            loss = loss_fn(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if after_step is not None:
+                after_step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+        if after_epoch is not None:
+            after_epoch(epoch)
+    tel.close()
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
     analyzer said nothing. run.json now lists dropout layers of p 0.5 or more, and a p of 0.8 or more while the
     train loss stays 1.5x the holdout's (scored without dropout) is named. p=0.1 and p=0.5 stay quiet."""
-    from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
-
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
 
     def train(out, p):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(p), nn.Linear(128, 10))
-        opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
-        tel.set_holdout_data((x[900:1000], y[900:1000]))
-        gen = torch.Generator().manual_seed(0)
-        for epoch in range(8):
-            order = torch.randperm(900, generator=gen)
-            for i in range(28):
-                idx = order[i * 32:(i + 1) * 32]
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-        tel.close()
+        digit_epochs(out, model, torch.optim.Adam(model.parameters(), lr=2e-3), x, y, 8)
         model.eval()
         with torch.no_grad():
             return F.cross_entropy(model(x[1000:]), y[1000:]).item()
@@ -1217,11 +1239,9 @@ def test_a_loss_with_its_sign_flipped_is_told_to_check_the_sign(tmp_path):
     """A digits MLP trained on minus the cross-entropy (a loss to maximise, minimised): it learns to avoid the
     right class and ends at chance on fresh digits, and its loss falls without end. negative_loss leads, and
     its hint now names the loss's sign beside NLLLoss on raw outputs (as the holdout's hint below chance does)."""
-    from sklearn.datasets import load_digits
     from telemetry import TrainingTelemetry
 
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -1248,27 +1268,10 @@ def test_a_last_tanh_layer_that_saturates_as_the_model_grows_sure_is_quiet(tmp_p
     at a smaller init or learning rate. The layer before the output saturating during a run whose holdout
     gets better is no finding; one saturated from the first collection, or within the run's first tenth
     (steps too large), still is."""
-    from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
-
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data((x[900:1000], y[900:1000]))
-    gen = torch.Generator().manual_seed(0)
-    for epoch in range(20):
-        order = torch.randperm(900, generator=gen)
-        for i in range(28):
-            idx = order[i * 32:(i + 1) * 32]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-    tel.close()
+    digit_epochs(tmp_path, model, torch.optim.Adam(model.parameters(), lr=5e-3), x, y, 20)
     with torch.no_grad():
         assert (model(x[1000:]).argmax(1) == y[1000:]).float().mean() > 0.95
     run, found = codes(tmp_path)
@@ -1345,7 +1348,6 @@ def test_weights_that_stopped_after_steps_too_large_are_not_told_to_take_larger_
     10-100x larger learning rate". The weights moved fast before they stopped: it now says so, and to lower
     the learning rate."""
     from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
 
     _, _, raw = standardized(load_digits)
     x = raw / 16
@@ -1353,22 +1355,9 @@ def test_weights_that_stopped_after_steps_too_large_are_not_told_to_take_larger_
     def train(out, lr):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64), nn.Sigmoid())
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
-        tel.set_holdout_data((x[900:1000], x[900:1000]))
-        gen = torch.Generator().manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "every gradient is exactly 0", at the large lr
-            for epoch in range(8):
-                order = torch.randperm(900, generator=gen)
-                for i in range(28):
-                    idx = order[i * 32:(i + 1) * 32]
-                    loss = F.mse_loss(model(x[idx]), x[idx])
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], x[idx]), loss=loss)
-            tel.close()
+            digit_epochs(out, model, torch.optim.Adam(model.parameters(), lr=lr), x, x, 8, loss_fn=F.mse_loss)
         with torch.no_grad():
             return F.mse_loss(model(x[1000:]), x[1000:]).item()
 
@@ -1391,11 +1380,9 @@ def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
     diverging loss. A loss of class probabilities below 0 from the start (KLDivLoss given probabilities) is
     below 0 at every step and falls further as the model learns, where this one rises toward 0; and a train loss
     that rises while the holdout gets better is not a blow-up: the run is quiet now."""
-    from sklearn.datasets import load_digits
     from telemetry import TrainingTelemetry
 
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -1430,29 +1417,15 @@ def test_a_run_that_learned_and_then_blew_up_is_still_diverging(tmp_path):
     its train loss rises 4x and on fresh digits it ends right 3 times in 10. Its holdout ends better than
     its untrained start, but far from its best: a train loss that rose is named a divergence, where a holdout
     that ends better than it started and near its best (a policy gradient's, above) would have silenced it."""
-    from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
-
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data((x[900:1000], y[900:1000]))
-    gen = torch.Generator().manual_seed(0)
-    for epoch in range(10):
+
+    def raise_lr(epoch):
         if epoch == 3:
             opt.param_groups[0]["lr"] = 0.45
-        order = torch.randperm(900, generator=gen)
-        for i in range(28):
-            idx = order[i * 32:(i + 1) * 32]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-    tel.close()
+    digit_epochs(tmp_path, model, opt, x, y, 10, before_epoch=raise_lr)
     with torch.no_grad():
         assert (model(x[1000:]).argmax(1) == y[1000:]).float().mean() < 0.5
     run, found = codes(tmp_path)
@@ -1466,11 +1439,7 @@ def test_a_onecycle_schedule_created_again_each_epoch_is_named(tmp_path):
     epoch begins its warmup again, the lr saws between max_lr/25 and 40% of max_lr, and on 797 fresh digits the
     loss is higher than with the schedule created once. The analyzer said nothing. Created once, in two phases
     or three, it stays quiet."""
-    from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
-
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
 
     def train(out, anew=False, three_phase=False):
         torch.manual_seed(0)
@@ -1479,23 +1448,13 @@ def test_a_onecycle_schedule_created_again_each_epoch_is_named(tmp_path):
 
         def schedule():
             return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=8 * 28, three_phase=three_phase)
-        scheduler = schedule()
-        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=4)
-        tel.set_holdout_data((x[900:1000], y[900:1000]))
-        gen = torch.Generator().manual_seed(0)
-        for epoch in range(8):
+        schedules = [schedule()]  # the one in use is the last
+
+        def each_epoch(epoch):
             if anew and epoch:
-                scheduler = schedule()
-            order = torch.randperm(900, generator=gen)
-            for i in range(28):
-                idx = order[i * 32:(i + 1) * 32]
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                scheduler.step()
-                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-        tel.close()
+                schedules.append(schedule())
+        digit_epochs(out, model, opt, x, y, 8, every=4, after_step=lambda: schedules[-1].step(),
+                     before_epoch=each_epoch)
         with torch.no_grad():
             return F.cross_entropy(model(x[1000:]), y[1000:]).item()
 
@@ -1517,33 +1476,16 @@ def test_a_holdout_scored_with_an_ema_never_updated_is_not_called_memorisation(t
     analyzer called the holdout at chance memorisation ("more data, augmentation, regularisation"). Its loss is
     the same at every evaluation while the train loss falls and the weights move: it now says the holdout is
     not scored with the weights that train. With the EMA updated, nothing is said."""
-    from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
-
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
 
     def train(out, update):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         ema = torch.optim.swa_utils.AveragedModel(model,
                                                   multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99))
-        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
-        tel.set_holdout_data((x[900:1000], y[900:1000]), forward=lambda m, b: ema(b[0]))
-        gen = torch.Generator().manual_seed(0)
-        for epoch in range(8):
-            order = torch.randperm(900, generator=gen)
-            for i in range(28):
-                idx = order[i * 32:(i + 1) * 32]
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                if update:
-                    ema.update_parameters(model)
-                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-        tel.close()
+        digit_epochs(out, model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y, 8,
+                     after_step=(lambda: ema.update_parameters(model)) if update else None,
+                     forward=lambda m, b: ema(b[0]))
         with torch.no_grad():
             return [(m(x[1000:]).argmax(1) == y[1000:]).float().mean().item() for m in (model, ema)]
 
@@ -1566,11 +1508,9 @@ def test_gradient_accumulation_zeroed_between_micro_batches_is_named(tmp_path, h
     optimizer steps every 4 batches (the hook sees that from its calls on every micro-batch, or from batch_idx
     advancing 4 between its calls after the steps alone), and the gradients it reads hold one backward()
     pass: it is named. Accumulating loops stay quiet, with clipping and with zero_grad(set_to_none=False)."""
-    from sklearn.datasets import load_digits
     from telemetry import TrainingTelemetry
 
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35
+    x, y = digit_pixels()
 
     def train(out, zero_every_micro_batch=False, set_to_none=True, clip=False):
         torch.manual_seed(0)
@@ -1624,36 +1564,21 @@ def test_ema_weights_swapped_in_for_evaluation_and_never_out_are_named(tmp_path)
     names the epochs' starts, where the weights' distance from their start falls and the loss climbs back."""
     import copy
 
-    from sklearn.datasets import load_digits
-    from telemetry import TrainingTelemetry
-
-    _, y, raw = standardized(load_digits)
-    x = (raw / 16 - 0.5) / 0.35  # pixels of 0-16: a pixel blank in every training image stays finite elsewhere
+    x, y = digit_pixels()
 
     def train(out, restore):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         ema = torch.optim.swa_utils.AveragedModel(model,
                                                   multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99))
-        tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
-        tel.set_holdout_data((x[900:1000], y[900:1000]))
-        gen = torch.Generator().manual_seed(0)
-        for epoch in range(8):
-            order = torch.randperm(900, generator=gen)
-            for i in range(28):
-                idx = order[i * 32:(i + 1) * 32]
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                ema.update_parameters(model)
-                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+
+        def evaluate_ema(epoch):
             backup = copy.deepcopy(model.state_dict()) if restore == "copy" else model.state_dict()
             model.load_state_dict(ema.module.state_dict())  # evaluate the EMA's weights
             if restore != "never":
                 model.load_state_dict(backup)
-        tel.close()
+        digit_epochs(out, model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y, 8,
+                     after_step=lambda: ema.update_parameters(model), after_epoch=evaluate_ema)
         with torch.no_grad():
             return F.cross_entropy(model(x[1000:]), y[1000:]).item()
 
