@@ -5450,8 +5450,9 @@ class TrainingTelemetry:
             c.add("grads_never_zeroed", self._gradients.never_zeroed, layout, self.step)
             # Sharded gradients (FSDP, DeepSpeed) are made afresh by the reduction at the last micro-batch, whatever
             # came before it: their version counters say nothing of the accumulation.
-            if self._schedule.micro_batches() > 1 and self._ranks.kind in ("none", "ddp"):
-                c.add("accumulation", self._gradients.accumulation, layout, self._schedule.micro_batches())
+            micro_batches = self._schedule.micro_batches()
+            if micro_batches > 1 and self._ranks.kind in ("none", "ddp"):
+                c.add("accumulation", self._gradients.accumulation, layout, micro_batches)
         if cfg.track_lora:
             c.add("lora", self._lora.section, model, layout, self._reference, ranks, self.step)
         keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)
