@@ -2890,7 +2890,10 @@ def check_holdout_at_chance(run: Run) -> list:
                 "The targets' mean for every example is what a model learns from targets that say nothing about "
                 "the inputs: check that the targets line up with the inputs (an array shuffled or sorted apart "
                 "from them, the wrong column or file).")
-    return [Finding("holdout_at_chance", "critical", why + extra + ".", _steps_list(where), hint=hint)]
+    # Below chance is learned, not a failure to learn: what the model was taught (a loss maximised, labels apart
+    # from their inputs) comes before what its loss and gradients did while it learned it.
+    code = "holdout_below_chance" if below and still is None else "holdout_at_chance"
+    return [Finding(code, "critical", why + extra + ".", _steps_list(where), hint=hint)]
 
 
 # A holdout loss that stays within this share of itself at every evaluation while the train loss changes by
@@ -3929,7 +3932,7 @@ STAGES = (
      "constant_inputs", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
-     "holdout_positions_untrained", "class_imbalance"),
+     "holdout_positions_untrained", "class_imbalance", "holdout_below_chance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
     ("dead_units", "saturated_units", "vanishing_gradients", "frozen_group"),
@@ -4046,6 +4049,8 @@ FINDINGS = {
                      "the records do not name"),
     "holdout_at_chance": (("critical",), "analyzer", "the holdout's accuracy or loss stays at chance (a language "
                           "model's: no better than its tokens' frequencies)"),
+    "holdout_below_chance": (("critical",), "analyzer", "the holdout's accuracy stays below chance: the model "
+                             "learned to pick wrong classes (labels apart from their inputs, a loss maximised)"),
     "loss_stalled": (("warning",), "analyzer", "the training loss stopped falling well above where it "
                      "could be"),
     "overfitting": (("warning",), "analyzer", "the holdout loss rises from its best while the training loss "
@@ -4138,6 +4143,9 @@ CONSEQUENCES = {
     "saturated_units": ("vanishing_gradients", "loss_stalled", "holdout_at_chance", "forgetting"),
     "vanishing_gradients": ("loss_stalled", "holdout_at_chance", "forgetting"),
     "holdout_at_chance": ("loss_stalled", "overfitting", "forgetting"),
+    # taught to avoid the right class (a loss maximised), the loss and the gradients go where that leads them
+    "holdout_below_chance": ("loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating", "dead_units",
+                             "saturated_units", "vanishing_gradients", "loss_stalled", "overfitting", "forgetting"),
     "overfitting": ("forgetting",),
 }
 GROUP_SCOPED = ("not_in_optimizer", "frozen_parameters", "lr_zero")   # they explain their own group only
@@ -4164,6 +4172,8 @@ def _rank_key(f: Finding):
 
 def _explains(cause: Finding, f: Finding, tolerance: float = 0) -> bool:
     code = _as_analyzer_code(f)
+    if code == "holdout_below_chance" and cause.code not in BLOWUPS:
+        code = "holdout_at_chance"   # what leaves a holdout at chance may leave it under it; a blow-up does not
     if code not in CONSEQUENCES.get(cause.code, ()):
         return False
     if cause.explains_only is not None and code not in cause.explains_only:

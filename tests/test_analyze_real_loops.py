@@ -267,7 +267,7 @@ def regression_run(out, n_train, lr, hidden, steps=120, every=4, batch=32):
     return {s: h["loss"] for s, h in holdout.items()}, recs
 
 
-CLASSIFICATION_ONLY = {"holdout_at_chance", "forgetting", "class_imbalance"}
+CLASSIFICATION_ONLY = {"holdout_at_chance", "holdout_below_chance", "forgetting", "class_imbalance"}
 
 
 def test_regression_holdout_overfitting(tmp_path):
@@ -1371,22 +1371,17 @@ def test_weights_that_stopped_after_steps_too_large_are_not_told_to_take_larger_
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
-@pytest.mark.parametrize("rewards", ["baseline", "plus_minus_one"])
-def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
-    """A contextual bandit on the digits trained with REINFORCE: the policy samples a class and is rewarded for
-    the right one; its loss, -advantage x log-probability, is below 0 at most steps (with a running-mean
-    baseline, or rewards of +1 and -1) and rises toward 0 as the policy settles. On 797 fresh digits it is right
-    8 times in 10 or more. The analyzer called it a critical negative_loss ("NLLLoss on raw outputs") and a
-    diverging loss. A loss of class probabilities below 0 from the start (KLDivLoss given probabilities) is
-    below 0 at every step and falls further as the model learns, where this one rises toward 0; and a train loss
-    that rises while the holdout gets better is not a blow-up: the run is quiet now."""
+def digit_bandit(out, rewards: str = "baseline", sign: float = 1.0) -> tuple:
+    """A contextual bandit on the digits trained with REINFORCE (the policy samples a class and is rewarded for
+    the right one, loss -sign x advantage x log-probability), hooked after each step: (its accuracy on 797
+    fresh digits, the share of its steps whose loss was below 0)."""
     from telemetry import TrainingTelemetry
 
     x, y = digit_pixels()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
     tel.set_holdout_data((x[900:1000], y[900:1000]))
     gen, baseline, negative, steps = torch.Generator().manual_seed(0), 0.0, 0, 0
     for epoch in range(20):
@@ -1397,7 +1392,7 @@ def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
             action = policy.sample()
             reward = (action == y[idx]).float()
             advantage = reward - baseline if rewards == "baseline" else 2 * reward - 1
-            loss = -(advantage * policy.log_prob(action)).mean()
+            loss = -sign * (advantage * policy.log_prob(action)).mean()
             baseline = 0.9 * baseline + 0.1 * reward.mean().item()
             opt.zero_grad()
             loss.backward()
@@ -1406,10 +1401,36 @@ def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
             negative, steps = negative + int(loss.item() < 0), steps + 1
     tel.close()
     with torch.no_grad():
-        assert (model(x[1000:]).argmax(1) == y[1000:]).float().mean() > 0.8
-    assert negative > steps / 2
+        return float((model(x[1000:]).argmax(1) == y[1000:]).float().mean()), negative / steps
+
+
+@pytest.mark.parametrize("rewards", ["baseline", "plus_minus_one"])
+def test_a_policy_gradient_loss_below_0_is_no_negative_loss(tmp_path, rewards):
+    """The bandit's loss, -advantage x log-probability, is below 0 at most steps (with a running-mean baseline,
+    or rewards of +1 and -1) and rises toward 0 as the policy settles. On fresh digits it is right 8 times in 10
+    or more. The analyzer called it a critical negative_loss ("NLLLoss on raw outputs") and a diverging loss. A
+    loss of class probabilities below 0 from the start (KLDivLoss given probabilities) is below 0 at every step
+    and falls further as the model learns, where this one rises toward 0; and a train loss that rises while the
+    holdout gets better is not a blow-up: the run is quiet now."""
+    fresh, negative = digit_bandit(tmp_path, rewards)
+    assert fresh > 0.8 and negative > 0.5
     run, found = codes(tmp_path)
     assert not [f for f in found.values() if f.severity != "info"], found
+
+
+def test_a_policy_gradient_of_the_wrong_sign_leads_with_the_holdout_below_chance(tmp_path):
+    """The same bandit with its loss's sign flipped learns to avoid the right class: right 0 times in 797 fresh
+    digits. Its loss rises from below 0 to 0 (no reward is left to weigh) and its tiny gradients jump now and
+    then; the analyzer led with loss_diverging and exploding_gradients ("lower the learning rate"), with the
+    holdout below chance under them. A holdout below chance is learned, which no blow-up does: it leads now,
+    with its hint on the loss's sign, and the loss and gradients follow from it."""
+    fresh, _ = digit_bandit(tmp_path, sign=-1.0)
+    assert fresh < 0.02
+    run, found = codes(tmp_path)
+    top = at.diagnose(run)[0]
+    assert (top.code, top.severity) == ("holdout_below_chance", "critical"), found
+    assert "the loss's sign" in top.hint
+    assert not {"loss_diverging", "exploding_gradients"} & {f.code for f in at.diagnose(run)}, found
 
 
 def test_a_run_that_learned_and_then_blew_up_is_still_diverging(tmp_path):

@@ -149,7 +149,7 @@ def test_holdout_below_chance_with_shifted_labels(tmp_path, digits):
     # every class relabelled as the next one: the holdout (true labels) lands below chance, not in the band
     top, found = first_loud(train(tmp_path / "r", digits, mlp(), labels=(digits[1] + 1) % 10, steps=150, opt="adam",
                                   lr=3e-3))
-    assert (top.code, top.severity) == ("holdout_at_chance", "critical")
+    assert (top.code, top.severity) == ("holdout_below_chance", "critical")
     assert "below chance 0.100" in top.message and "line up with the inputs" in top.hint
     assert "overfitting" not in {f.code for f in loud(found)}   # the holdout's rise is its consequence
 

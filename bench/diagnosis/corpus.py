@@ -39,7 +39,7 @@ PROBLEMS: Dict[str, tuple] = {
     # requires_grad_(False) in a group with lr > 0: the records say exactly that (run.json's frozen tensors)
     "frozen": ({"frozen_parameters", "frozen_group"}, {"frozen_parameters"}),
     "lr_zero": ({"lr_zero", "frozen_group"}, {"lr_zero"}),
-    "misaligned": ({"holdout_at_chance"}, {"holdout_at_chance"}),
+    "misaligned": ({"holdout_at_chance", "holdout_below_chance"}, {"holdout_at_chance", "holdout_below_chance"}),
     "grads_never_zeroed": ({"gradients_never_zeroed"}, {"gradients_never_zeroed"}),
     "unscaled_inputs": ({"unscaled_inputs"}, {"unscaled_inputs"}),
     "unscaled_targets": ({"unscaled_targets"}, {"unscaled_targets"}),
