@@ -3636,7 +3636,7 @@ def _warn_about_gradients(record: Dict[str, Any], warn: _Warnings) -> None:
     if norms.get("overall") is None:
         warn("no-grad", "telemetry: no gradients at collection time, recorded as null. "
                         "Call on_batch_end after optimizer.step() and before zero_grad().")
-    elif norms["overall"] == 0.0:
+    elif norms["overall"] == 0.0 and record.get("loss") != 0.0:  # a hinge or triplet loss at 0 passes none
         warn("zero-grad", "telemetry: every gradient is exactly 0: zero_grad() ran before on_batch_end (call it "
                           "before zero_grad()), or nothing passes gradient back (an output cut to 0 by a final "
                           "ReLU, a sigmoid or tanh pushed to its limits by steps too large, a loss that does not "
@@ -4532,7 +4532,12 @@ def _is_example(item: Any, label_key: Optional[str]) -> bool:
         keys = [label_key] if label_key is not None else LABEL_KEYS
         label = next((item[k] for k in keys if k in item), None)
     elif isinstance(item, (tuple, list)) and item:
-        label = item[-1]
+        label, first = item[-1], item[0]
+        # One sequence of token ids with a label per token (a tagger's): a batch of such would be 2-D, and a
+        # batch of one-token inputs is read the same way, a position per example
+        if (isinstance(first, torch.Tensor) and isinstance(label, torch.Tensor) and len(item) >= 2
+                and first.dim() == 1 and not first.is_floating_point() and label.shape == first.shape):
+            return True
     else:
         return False
     return isinstance(label, (int, float)) or (isinstance(label, torch.Tensor) and label.dim() == 0)
@@ -4714,10 +4719,13 @@ class _Holdout:
                                  "a tensor with one row per example")
             if _multi_label(got) and not (isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor)
                                           and batch["input_ids"].shape == got.shape):  # a language model's tokens
+                one_hot = bool((got.reshape(n, -1).sum(-1) == 1).all())
                 raise ValueError(f"set_holdout_data: labels of shape {list(got.shape)} holding only 0 and 1 are "
                                  "multi-label or one-hot targets, which the holdout does not score (it scores a "
-                                 "class index per example, a language model's tokens, or regression targets); "
-                                 "for one-hot targets pass labels=lambda batch: batch[-1].argmax(-1)")
+                                 "class index per example, a language model's tokens, or regression targets); " +
+                                 ("these are one-hot: pass labels=lambda batch: batch[-1].argmax(-1)" if one_hot else
+                                  "these give some examples several labels or none, which a class index would "
+                                  "misstate: leave the holdout out (the rest is still recorded)"))
             if forward is None and isinstance(batch, (tuple, list)) and not all(
                     isinstance(x, torch.Tensor) for x in batch[:-1]):
                 raise ValueError("set_holdout_data: (inputs..., labels) batches run model(*inputs), and these "
