@@ -2878,6 +2878,17 @@ def check_holdout_at_chance(run: Run) -> list:
                 "or averaged copy never updated, a model loaded once, the copy made before training), or "
                 "set_holdout_data given that copy's outputs. Score it with the model passed to on_batch_end, or "
                 "update the copy.")
+    gradless = _layers_without_gradient(run) if still is None else None
+    if gradless is not None:
+        below = False   # the layers that make its output never trained: nothing was learned, rightly or wrongly
+        names = ", ".join(gradless[0][:4]) + (" and more" if len(gradless[0]) > 4 else "")
+        why += (f"; {'layers' if len(gradless[0]) > 1 else 'layer'} {names} got no gradient at any of the "
+                f"{gradless[2]} collections: the loss never reaches them")
+        hint = ("A loss computed from another output than the one the holdout scores leaves the layers that make "
+                "this one untrained: where those layers make it, compute the loss on the same output (the logits, "
+                "not the features, of a (features, logits) tuple; the head the holdout reads, not an auxiliary "
+                "one), or pass output= naming what the loss reads. Else check that the labels line up with the "
+                "inputs.")
     spread = _prediction_spread(h) if h.kind == "regression" else None
     if still is None and spread is not None and spread[0] < FLAT_PREDICTIONS * spread[1] and abs(spread[2]) < FLAT_MEAN * spread[1]:
         why += (f"; its predictions barely vary (standard deviation {_fmt(spread[0])} against the targets' "

@@ -1208,6 +1208,41 @@ def digit_epochs(out, model, opt, x, y, epochs, loss_fn=F.cross_entropy, every=5
     tel.close()
 
 
+def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
+    """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
+    stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The
+    holdout (output=1, the logits) was at chance with the hint on memorisation, or below chance with the one
+    on labels. Its head's gradient is null at every collection: the finding now names it and the loss's
+    output."""
+    x, y = digit_pixels()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x):
+            features = self.body(x)
+            return features, self.head(F.relu(features))
+
+    fresh = {}
+    for taken in (0, 1):
+        torch.manual_seed(0)
+        model = Net()
+        digit_epochs(tmp_path / str(taken), model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y, 8,
+                     loss_fn=lambda out, labels, k=taken: F.cross_entropy(out[k], labels), output=1)
+        with torch.no_grad():
+            fresh[taken] = float((model(x[1000:])[1].argmax(1) == y[1000:]).float().mean())
+    assert fresh[0] < 0.25 and fresh[1] > 0.9, fresh
+    run, found = codes(tmp_path / "0")
+    top = at.diagnose(run)[0]
+    assert top.code == "holdout_at_chance", found
+    assert "layer head got no gradient at any of the" in top.message and "(features, logits) tuple" in top.hint
+    run, found = codes(tmp_path / "1")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
