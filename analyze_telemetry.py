@@ -2196,8 +2196,15 @@ def check_loss_diverging(run: Run) -> list:
         where.append(peak[3])
     if not reasons:
         return []
+    severity, players = "warning", _text(run.meta.get("optimizer") or "")
+    if "+" in players and where == [t.where[0]] and not 0 < 10 * t.first < t.last:
+        # Several optimizers stepped together, with one loss given: a player's of an adversarial game, as
+        # often as not, and a GAN's generator loss rises (its gradients with it) while its discriminator learns
+        severity = "info"
+        reasons.append(f"the hook was given several optimizers ({players}), and this loss may be one player's: a "
+                       "GAN's generator loss rises as its discriminator learns, and is no divergence by itself")
     return [Finding(
-        "loss_diverging", "warning", "; ".join(reasons) + ".", _steps_list(sorted(where)),
+        "loss_diverging", severity, "; ".join(reasons) + ".", _steps_list(sorted(where)),
         hint="Lower the learning rate (try 3-10x smaller) or add warmup; clip gradients (clip_grad_norm_); with "
              "ReLU networks a blow-up early on also kills units for good.")]
 
@@ -4043,7 +4050,8 @@ FINDINGS = {
                         "classes are neglected)"),
     "nonfinite": (("critical",), "both", "NaN or Inf in the loss, gradients or weights (the gradients of steps a "
                                          "GradScaler skipped only when it skips most)"),
-    "loss_diverging": (("warning",), "analyzer", "the training loss grows over the run"),
+    "loss_diverging": (("info", "warning"), "analyzer", "the training loss grows over the run (a note where "
+                       "several optimizers step together, as a GAN's do: the loss given may be one player's)"),
     "loss_spike": (("warning",), "both", "the loss jumps far outside its rolling noise band"),
     "exploding_gradients": (("warning",), "analyzer", "the gradient norm jumps to many times its median, or "
                             "grows 10x, while the loss does not fall through it"),

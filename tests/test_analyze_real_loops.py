@@ -1243,6 +1243,67 @@ def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_a_gans_generator_loss_that_rises_is_a_note(tmp_path):
+    """A conditional GAN on the digits (MLP generator and discriminator, Adam 2e-4, betas (0.5, 0.999)),
+    hooked once per step with both optimizers and the generator's loss. That loss rises as the discriminator
+    learns, and its gradients grow with it, while the generator learns to draw each digit: a classifier trained
+    on real digits reads most of its samples as the digit asked for. The analyzer called it a diverging loss
+    ("lower the learning rate"); with several optimizers stepped together it is now a note."""
+    from sklearn.linear_model import LogisticRegression
+    from telemetry import TrainingTelemetry
+
+    x, y = digit_pixels()
+    x = x * 0.7   # pixels of 0-16 as -1 to 1: the generator's tanh range
+
+    class Conditioned(nn.Module):   # an MLP on its input beside an embedding of the digit asked for
+        def __init__(self, inputs, *widths, out=None):
+            super().__init__()
+            self.label = nn.Embedding(10, 10)
+            sizes = (inputs + 10,) + widths
+            layers = [m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.LeakyReLU(0.2))]
+            self.net = nn.Sequential(*layers[:-1], *([out] if out else []))
+
+        def forward(self, v, digit):
+            return self.net(torch.cat([v, self.label(digit)], 1))
+
+    torch.manual_seed(0)
+    gen, disc = Conditioned(32, 128, 256, 64, out=nn.Tanh()), Conditioned(64, 256, 128, 1)
+    model = nn.ModuleDict({"G": gen, "D": disc})
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    bce = nn.BCEWithLogitsLoss()
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    order = torch.Generator().manual_seed(0)
+    first, last = [], []
+    for epoch in range(30):
+        perm = torch.randperm(1280, generator=order)
+        for i in range(40):
+            idx = perm[i * 32:(i + 1) * 32]
+            real, digit = x[idx], y[idx]
+            fake = gen(torch.randn(32, 32), digit)
+            d_loss = bce(disc(real, digit).squeeze(1), torch.ones(32)) + \
+                bce(disc(fake.detach(), digit).squeeze(1), torch.zeros(32))
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = bce(disc(fake, digit).squeeze(1), torch.ones(32))
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            tel.on_batch_end(model, [opt_g, opt_d], i, epoch, batch=(real, digit), loss=g_loss)
+            (first if epoch < 6 else last if epoch >= 24 else []).append(g_loss.item())
+    tel.close()
+    clf = LogisticRegression(max_iter=3000).fit(x[:1280].numpy(), y[:1280].numpy())
+    asked = torch.arange(10).repeat_interleave(100)
+    with torch.no_grad():
+        drawn = gen(torch.randn(1000, 32), asked).numpy()
+    assert (clf.predict(drawn) == asked.numpy()).mean() > 0.6
+    assert np.median(last) > 1.3 * np.median(first)
+    run, found = codes(tmp_path)
+    assert found["loss_diverging"].severity == "info" and "one player's" in found["loss_diverging"].message
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
