@@ -4816,6 +4816,19 @@ class _Holdout:
                 pairs, run = pairs + run * (run - 1) // 2, 1
         return {"input_pairs": pairs}
 
+    def reconstructs(self) -> Dict[str, bool]:
+        """{"targets_are_inputs": True} for run.json where every holdout batch's targets are its inputs, as an
+        autoencoder's are: a model that predicts their mean for every example then passes nothing through its
+        code, which is no sign of targets apart from their inputs."""
+        try:
+            found = [(batch_inputs(b), holdout_labels(b, self.config.batch_label_key, self.labels)[0])
+                     for b in self.batches]
+            same = bool(found) and all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                                       and x.is_floating_point() and torch.equal(x, y.to(x.device)) for x, y in found)
+        except Exception:  # what telemetry only describes never stops set_holdout_data
+            return {}
+        return {"targets_are_inputs": True} if same else {}
+
     def overlap(self, sums: List[List[float]]) -> tuple:
         """(how many of the rows of overlap_sums, as numbers, are a holdout example's sums, to OVERLAP_TOLERANCE
         in both; how many rows): a holdout drawn from the training data shows as training examples that are
@@ -5177,7 +5190,8 @@ class TrainingTelemetry:
         examples = self._holdout.set(batches, forward, labels, output)
         if self._active():
             self._files.update_info(holdout={"examples": examples, **self._holdout.input_scale(),
-                                             **self._holdout.input_pairs(), **self._holdout.token_entropy()})
+                                             **self._holdout.input_pairs(), **self._holdout.token_entropy(),
+                                             **self._holdout.reconstructs()})
 
     def on_batch_end(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                      batch_idx: int, epoch: int, device: Any = None, batch: Any = None, loss: Any = None,

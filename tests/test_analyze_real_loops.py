@@ -1304,6 +1304,183 @@ def test_a_gans_generator_loss_that_rises_is_a_note(tmp_path):
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_raw_targets_that_fit_after_units_died_are_left_alone(tmp_path):
+    """An MLP on scikit-learn's diabetes with standardised inputs and the raw targets (25-346), Adam at 1e-2:
+    the first steps, as large as the targets, kill half of a hidden layer, and what is left fits them, better
+    than a linear fit on the 92 examples telemetry never sees. The analyzer told it to standardise the targets
+    through its dead units. Units dead in a run whose holdout then fitted and ends near its best are left to
+    dead_units alone; the raw targets are no finding."""
+    from sklearn.datasets import load_diabetes
+    from sklearn.linear_model import LinearRegression
+    from sklearn.metrics import r2_score
+    from telemetry import TrainingTelemetry
+
+    x, y = load_diabetes(return_X_y=True)
+    rng = np.random.RandomState(0)
+    torch.manual_seed(0)
+    idx = rng.permutation(len(x))
+    train, held, fresh = idx[:300], idx[300:350], idx[350:]
+    x = (x - x[train].mean(0)) / x[train].std(0)
+    xt, yt = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt[train], yt[train]), batch_size=32,
+                                         shuffle=True)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((xt[held], yt[held]))
+    for epoch in range(100):
+        for i, (xb, yb) in enumerate(loader):
+            loss = F.mse_loss(model(xb).squeeze(1), yb)
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
+            opt.zero_grad()
+    tel.close()
+    with torch.no_grad():
+        r2 = r2_score(y[fresh], model(xt[fresh]).squeeze(1).numpy())
+    assert r2 > r2_score(y[fresh], LinearRegression().fit(x[train], y[train]).predict(x[fresh])), r2
+    run, found = codes(tmp_path)
+    assert "unscaled_targets" not in found and "dead_units" in found, found
+
+
+def test_a_vae_whose_posterior_collapsed_is_told_of_its_kl_term(tmp_path):
+    """A VAE on the digits (8 latents, MLP encoder and decoder) whose loss averages the reconstruction's binary
+    cross-entropy over the 64 pixels and sums the KL over the latents: the KL outweighs it, the posterior
+    collapses to the prior, and every digit is reconstructed as the mean digit (on fresh digits no better than
+    that mean; summed over the pixels as the KL is, far better). The holdout (the digits as their own targets)
+    was at chance with the hint to check that the targets line up with the inputs; run.json now notes that
+    they are the inputs, and the hint names the KL term."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    x = torch.tensor(load_digits().data / 16.0, dtype=torch.float32)
+    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))]
+
+    class VAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.mu, self.logvar = nn.Sequential(nn.Linear(64, 128), nn.ReLU()), nn.Linear(128, 8), \
+                nn.Linear(128, 8)
+            self.dec = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 64))
+
+        def forward(self, v):
+            h = self.enc(v)
+            mu, logvar = self.mu(h), self.logvar(h)
+            z = mu + torch.randn_like(mu) * (0.5 * logvar).exp() if self.training else mu
+            return torch.sigmoid(self.dec(z)), mu, logvar
+
+    error = {}
+    for reduction in ("mean", "sum"):
+        torch.manual_seed(0)
+        model = VAE()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / reduction), collect_every_n=5)
+        tel.set_holdout_data((x[1200:1250], x[1200:1250]), output=0)
+        order = torch.Generator().manual_seed(0)
+        for epoch in range(30):
+            perm = torch.randperm(1200, generator=order)
+            for i in range(18):
+                batch = x[perm[i * 64:(i + 1) * 64]]
+                out, mu, logvar = model(batch)
+                kl = (-0.5 * (1 + logvar - mu ** 2 - logvar.exp()).sum(1)).mean()
+                recon = F.binary_cross_entropy(out, batch, reduction=reduction)
+                loss = recon + kl if reduction == "mean" else recon / len(batch) + kl
+                loss.backward()
+                opt.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(batch, batch), loss=loss)
+                opt.zero_grad()
+        tel.close()
+        model.eval()
+        with torch.no_grad():
+            error[reduction] = float(((model(x[1250:])[0] - x[1250:]) ** 2).sum(1).mean())
+    mean_digit = float(((x[:1200].mean(0) - x[1250:]) ** 2).sum(1).mean())
+    assert error["mean"] > 0.95 * mean_digit and error["sum"] < 0.7 * mean_digit, (error, mean_digit)
+    run, found = codes(tmp_path / "mean")
+    assert run.meta["holdout"]["targets_are_inputs"] is True
+    top = at.diagnose(run)[0]
+    assert top.code == "holdout_at_chance" and "posterior collapses to the prior" in top.hint, found
+    run, found = codes(tmp_path / "sum")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
+def python_token_types(n_lines: int, length: int = 24) -> tuple:
+    """(token ids [n, length], token-type tags [n, length]) of the first n logical lines of a few of Python's
+    own modules: ids hash each token's text into 1-1000 (0 pads), tags are tokenize's types (name, operator,
+    number, string, comment, newline, other), -100 where a line is padded."""
+    import argparse
+    import io
+    import os
+    import tokenize
+    import zlib
+    kinds = [tokenize.NAME, tokenize.OP, tokenize.NUMBER, tokenize.STRING, tokenize.COMMENT, tokenize.NEWLINE]
+    skip = {tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER, tokenize.ENCODING, tokenize.NL}
+    lines, line = [], []
+    for module in (argparse, io, os, tokenize):
+        with open(module.__file__, encoding="utf-8") as f:
+            for tok in tokenize.generate_tokens(f.readline):
+                if tok.type in skip:
+                    continue
+                line.append((zlib.crc32(tok.string.encode()) % 1000 + 1,
+                             kinds.index(tok.type) if tok.type in kinds else len(kinds)))
+                if tok.type == tokenize.NEWLINE:
+                    lines, line = lines + [line[:length]] if len(line) > 2 else lines, []
+    ids, tags = torch.zeros(n_lines, length, dtype=torch.long), torch.full((n_lines, length), -100)
+    for i, tokens in enumerate(lines[:n_lines]):
+        ids[i, :len(tokens)] = torch.tensor([t for t, _ in tokens])
+        tags[i, :len(tokens)] = torch.tensor([k for _, k in tokens])
+    return ids, tags
+
+
+def test_a_tagger_trained_on_labels_a_position_off_is_told_so(tmp_path):
+    """A token tagger (embedding, GRU, a linear head per token) on Python's own source, whose training collate
+    gives each token the tag of the token before it. It fits that (train loss near 0) and tags fresh lines
+    far worse than the same tagger on aligned tags. Its holdout (aligned tags, scored at their own positions)
+    was at chance with the hint of a language model whose context does not reach it; the hint now names tags
+    a position off, or taken from another example."""
+    from telemetry import TrainingTelemetry
+
+    ids, tags = python_token_types(2600)
+    off = torch.cat([torch.full_like(tags[:, :1], -100), tags[:, :-1]], 1)
+    off[ids == 0] = -100
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.gru, self.head = nn.Embedding(1001, 32, padding_idx=0), \
+                nn.GRU(32, 64, batch_first=True), nn.Linear(64, 7)
+
+        def forward(self, tokens):
+            return self.head(self.gru(self.embed(tokens))[0])
+
+    fresh = {}
+    for name, train_tags in (("off", off), ("aligned", tags)):
+        torch.manual_seed(0)
+        model = Tagger()
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
+        tel.set_holdout_data((ids[2000:2050], tags[2000:2050]))
+        order = torch.Generator().manual_seed(0)
+        for epoch in range(8):
+            perm = torch.randperm(2000, generator=order)
+            for i in range(31):
+                idx = perm[i * 64:(i + 1) * 64]
+                loss = F.cross_entropy(model(ids[idx]).reshape(-1, 7), train_tags[idx].reshape(-1))
+                loss.backward()
+                opt.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(ids[idx], train_tags[idx]), loss=loss)
+                opt.zero_grad()
+        tel.close()
+        with torch.no_grad():
+            kept = tags[2100:] != -100
+            fresh[name] = float((model(ids[2100:]).argmax(-1) == tags[2100:])[kept].float().mean())
+    assert fresh["off"] < 0.5 and fresh["aligned"] > 0.85, fresh
+    run, found = codes(tmp_path / "off")
+    top = at.diagnose(run)[0]
+    assert top.code == "holdout_at_chance" and "a position off in training" in top.hint, found
+    run, found = codes(tmp_path / "aligned")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
