@@ -3372,7 +3372,8 @@ def check_holdout_in_training(run: Run) -> list:
     too (run.json's input_pairs, pairs of holdout examples with the same inputs, which telemetry counts at
     set_holdout_data), and a training example drawn from the same data matches one of H holdout examples with
     probability 1 - (1 - c)^H, c the share of the holdout's pairs that are equal. The finding needs
-    HOLDOUT_EXCESS times that share."""
+    HOLDOUT_EXCESS times that share, or of the one the training rows looked up give by their own equal pairs
+    (batch_stats.checked_pairs)."""
     found, checked = (_finite(column(run, f"batch_stats.{key}")) for key in ("holdout_matches", "holdout_checked"))
     if len(found) != len(checked) or not len(checked):
         return []
@@ -3381,6 +3382,13 @@ def check_holdout_in_training(run: Run) -> list:
     expected = 0.0
     if _has_type(examples, int) and _has_type(pairs, int) and examples > 1:
         expected = 1 - (1 - pairs / (examples * (examples - 1) / 2)) ** examples
+    # The same from the training inputs looked up, which repeat among themselves as often: a 50-example holdout
+    # of a 1,024-value input space holds no equal pair about a third of the time, thousands of batch rows do
+    both = [(c, p) for c, p in zip(column(run, "batch_stats.holdout_checked"), column(run, "batch_stats.checked_pairs"))
+            if math.isfinite(c) and math.isfinite(p)]
+    possible = sum(c * (c - 1) / 2 for c, _ in both)
+    if possible and _has_type(examples, int):
+        expected = max(expected, 1 - (1 - sum(p for _, p in both) / possible) ** examples)
     if matched < 5 or matched < HOLDOUT_SHARE * looked or matched < HOLDOUT_EXCESS * expected * looked:
         return []
     return [Finding(

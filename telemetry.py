@@ -867,6 +867,7 @@ _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "refere
                     "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
                     "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
                     "batch_stats/input_elements", "batch_stats/holdout_matches", "batch_stats/holdout_checked",
+                    "batch_stats/checked_pairs",
                     "grads_never_zeroed", "eval_mode", "accumulation")
 
 
@@ -4831,13 +4832,15 @@ class _Holdout:
 
     def overlap(self, sums: List[List[float]]) -> tuple:
         """(how many of the rows of overlap_sums, as numbers, are a holdout example's sums, to OVERLAP_TOLERANCE
-        in both; how many rows): a holdout drawn from the training data shows as training examples that are
-        holdout ones."""
+        in both; how many rows; how many pairs of those rows are equal): a holdout drawn from the training data
+        shows as training examples that are holdout ones. The pairs say how often training inputs repeat by
+        themselves (a small discrete input space), and so how often they match holdout ones by chance."""
         held, found = self.signatures[self.looked_up], 0
         for row in sums:
             at = bisect.bisect_left(held[2], row[1])
             found += any(_same_sums(held[1][k], row) for k in (at - 1, at) if 0 <= k < len(held[1]))
-        return found, len(sums)
+        pairs = sum(_same_sums(a, b) for i, a in enumerate(sums) for b in sums[i + 1:])
+        return found, len(sums), pairs
 
     def _signatures_for(self, key: tuple) -> Optional[tuple]:
         """_signatures(*key), computed once per (input size, device) for this holdout."""
@@ -5432,7 +5435,8 @@ class TrainingTelemetry:
         c.record, nonfinite = host_record(c.record)
         stats = c.record.get("batch_stats")
         if isinstance(stats, dict) and "holdout_sums" in stats:
-            stats["holdout_matches"], stats["holdout_checked"] = self._holdout.overlap(stats.pop("holdout_sums"))
+            stats["holdout_matches"], stats["holdout_checked"], stats["checked_pairs"] = \
+                self._holdout.overlap(stats.pop("holdout_sums"))
         if c.layout is not None and c.layout.params:  # none held by the optimizer: "outside" said so
             _warn_about_gradients(c.record, self._warn)
         _null_ratios_of_zero_weights(c.record)

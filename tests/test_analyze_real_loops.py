@@ -1481,6 +1481,50 @@ def test_a_tagger_trained_on_labels_a_position_off_is_told_so(tmp_path):
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_a_small_input_space_shared_by_chance_is_no_holdout_leak(tmp_path):
+    """A classifier of two integers in 0-31 (one-hot codes), labelled (a * b) mod 5, with its training set,
+    holdout and fresh test drawn apart from the same 1,024 inputs: a fresh input is one the training set holds
+    98 times in 100, by chance. This holdout of 50 happens to hold no two equal inputs, so run.json's
+    input_pairs expected no matches, and the analyzer said the holdout was taken from the training data. The
+    training rows looked up repeat among themselves (batch_stats.checked_pairs), which gives the share to
+    expect: no finding."""
+    from telemetry import TrainingTelemetry
+
+    rng = np.random.RandomState(0)
+
+    def draw(n):
+        a, b = rng.randint(0, 32, n), rng.randint(0, 32, n)
+        x = torch.zeros(n, 64)
+        x[torch.arange(n), torch.from_numpy(a)] = 1
+        x[torch.arange(n), 32 + torch.from_numpy(b)] = 1
+        return x, torch.from_numpy((a * b) % 5)
+
+    (x, y), held, (xf, yf) = draw(4000), draw(50), draw(5000)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 5))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data(held)
+    order = torch.Generator().manual_seed(0)
+    for epoch in range(15):
+        perm = torch.randperm(4000, generator=order)
+        for i in range(62):
+            idx = perm[i * 64:(i + 1) * 64]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+            opt.zero_grad()
+    tel.close()
+    with torch.no_grad():
+        assert (model(xf).argmax(1) == yf).float().mean() > 0.95
+    run, found = codes(tmp_path)
+    assert run.meta["holdout"]["input_pairs"] == 0
+    assert sum(_ for _ in at.column(run, "batch_stats.checked_pairs")) > 0
+    assert "holdout_in_training" not in found, found["holdout_in_training"].message
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
@@ -2222,9 +2266,12 @@ def test_a_holdout_drawn_from_the_training_data_is_named(tmp_path):
             first = batch[0][:8]  # which of the looked-up examples are the holdout's, by value
             held = x[holdout]
             truth.append((int(sum(bool((held == row).all(1).any()) for row in first)),
-                          record["batch_stats"]["holdout_matches"], record["batch_stats"]["holdout_checked"]))
+                          record["batch_stats"]["holdout_matches"], record["batch_stats"]["holdout_checked"],
+                          int(sum(bool((first[i] == first[j]).all()) for i in range(8) for j in range(i + 1, 8))),
+                          record["batch_stats"]["checked_pairs"]))
         sampled_run(tmp_path / name, model, x[:1000], y[:1000], (x[holdout], y[holdout]), 400, 32, seen=seen)
-        assert all(known == found and checked == 8 for known, found, checked in truth), truth
+        assert all(known == found and checked == 8 and pairs == counted
+                   for known, found, checked, pairs, counted in truth), truth
         run, found = codes(tmp_path / name)
         matched = sum(t[0] for t in truth)
         assert run.meta["holdout"]["input_pairs"] == 0  # the digits have no two images alike

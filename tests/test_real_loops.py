@@ -316,7 +316,7 @@ def test_regression_is_recorded_as_regression(tmp_path):
                                         pytest.approx(x[:32].double().square().sum().item())]
     # None of the batch's first 8 examples is one of the holdout's (the last 50).
     assert stats == {"batch_size": 32, "label_key": "label", "input_elements": x[:32].numel(),
-                     "holdout_matches": 0, "holdout_checked": 8}
+                     "holdout_matches": 0, "holdout_checked": 8, "checked_pairs": 0}
 
 
 def test_class_indices_stored_as_floats_name_the_cast(tmp_path):
