@@ -1305,6 +1305,7 @@ def check_lr_collapsed(run: Run) -> list:
 
 
 LR_BELOW_BASE = 0.05   # every group's learning rate under this share of the lr its scheduler started from
+LR_UNFINISHED = 0.25   # ... or under this share and still climbing at the run's end: a warmup longer than the run
 # OneCycleLR starts at max_lr / 25 and climbs to max_lr over the first 30% of its steps: a run that never gets
 # past this share of it stepped the schedule once per epoch, or stopped long before the schedule's end.
 LR_BELOW_MAX = 0.25
@@ -1326,18 +1327,22 @@ def check_lr_below_base(run: Run) -> list:
         lr = _finite(column(run, ("learning_rates", g)))
         if not _has_type(base, (int, float)) or not base > 0 or len(lr) < 8:
             continue
-        peaks[g] = (float(lr.max()), float(base), share, g in tops)
-    if not peaks or any(peak >= share * base for peak, base, share, _ in peaks.values()):
+        # a warmup longer than the run: still climbing over the run's last fifth when it ends
+        rising = g not in tops and lr[-1] >= lr.max() and lr[-1] > 1.05 * lr[-max(2, len(lr) // 5)]
+        peaks[g] = (float(lr.max()), float(base), LR_UNFINISHED if rising else share, g in tops, rising)
+    if not peaks or any(peak >= share * base for peak, base, share, *_ in peaks.values()):
         return []
     said = "; ".join(f"group '{g}' peaked at {_fmt(peak)} against {_fmt(base)} ({peak / base:.2%}"
-                     + (", its OneCycleLR's max_lr)" if cycle else ")") for g, (peak, base, _, cycle) in peaks.items())
-    cycles = any(cycle for *_, cycle in peaks.values())
+                     + (", its OneCycleLR's max_lr)" if cycle else ", still rising at the end)" if rising else ")")
+                     for g, (peak, base, _, cycle, rising) in peaks.items())
+    cycles, rises = (any(p[i] for p in peaks.values()) for i in (3, 4))
     return [Finding(
         "lr_below_base", "warning",
         "the learning rate never came near the one its scheduler was given, over the whole run ("
         + " or ".join(([f"under {LR_BELOW_MAX:.0%} of OneCycleLR's max_lr"] if cycles else [])
                       + ([f"under {LR_BELOW_BASE:.0%} of the lr it started from, the optimizer's lr"]
-                         if not all(cycle for *_, cycle in peaks.values()) else []))
+                         if not all(p[3] or p[4] for p in peaks.values()) else [])
+                      + ([f"under {LR_UNFINISHED:.0%} of it and still warming up when the run ended"] if rises else []))
         + f"): {said}.", _steps_list(steps(run)[:1]),
         hint="A schedule that counts optimizer steps (a warmup: LambdaLR, LinearLR, "
              "get_linear_schedule_with_warmup; OneCycleLR's total_steps) but is stepped once per epoch, or that is "
@@ -1528,8 +1533,12 @@ def check_probability_outputs(run: Run) -> list:
         cause = "the loss applies a sigmoid to outputs that already had one"
         hint = ("Drop the final Sigmoid and give BCEWithLogitsLoss the logits (it applies the sigmoid itself); or keep "
                 "the sigmoid and train with BCELoss.")
-    # each batch's loss against its own floor (the mix of its labels, for one output), over the last records
-    if len(loss) < 5 or loss.min() < least * (1 - 1e-4) or _edge_median(loss / floors, "last") > 1.1:
+    # each batch's loss against its own floor (the mix of its labels, for one output), over the last records;
+    # a model that gets most of the holdout right while its loss stays this near that floor is squashed there
+    # too (one trained on log-probabilities, right as often, scores far below it)
+    late_acc = _late(h, h.accuracy) if k is not None else None
+    near = 1.25 if late_acc is not None and late_acc[0] >= 0.5 else 1.1
+    if len(loss) < 5 or loss.min() < least * (1 - 1e-4) or _edge_median(loss / floors, "last") > near:
         return []
     late = _edge_median(loss, "last")
     st = steps(run)

@@ -1525,6 +1525,67 @@ def test_a_small_input_space_shared_by_chance_is_no_holdout_leak(tmp_path):
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_a_warmup_longer_than_the_run_is_named(tmp_path):
+    """A digits MLP (SGD at 0.1, momentum 0.9) whose linear warmup, meant as 5 epochs, was given as 5 x the
+    dataset's examples in steps: over its 10 epochs the lr climbs to 6% of 0.1 and is still climbing at the
+    end, and fresh digits score below the same warmup counted in batches. Under 5% of the base rate all run
+    was what lr_below_base named; under a quarter of it and still warming up at the end is named now."""
+    x, y = digit_pixels()
+    fresh = {}
+    for name, warmup in (("examples", 5 * 900), ("batches", 5 * 28)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step, w=warmup: min(1.0, (step + 1) / w))
+        digit_epochs(tmp_path / name, model, opt, x, y, 10, after_step=sched.step)
+        with torch.no_grad():
+            fresh[name] = float(F.cross_entropy(model(x[1000:]), y[1000:]))
+    assert fresh["examples"] > 1.5 * fresh["batches"], fresh
+    run, found = codes(tmp_path / "examples")
+    top = at.diagnose(run)[0]
+    assert top.code == "lr_below_base" and "still warming up when the run ended" in top.message, found
+    run, found = codes(tmp_path / "batches")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
+def test_a_softmax_before_cross_entropy_is_named_while_it_still_learns(tmp_path):
+    """A digits MLP ending in nn.Softmax, trained with CrossEntropyLoss (pixels of 0-1, Adam at 1e-3, 10 epochs
+    of 32-example batches): the loss's own softmax squashes the gradients, and on fresh digits its log-loss is
+    about twice that of the same MLP on logits. It was named only once the train loss sat within a tenth of
+    the floor that loss has on probabilities; it ends 12% above it, while most of the holdout is right, which
+    a model trained on log-probabilities never is at that loss."""
+    from sklearn.datasets import load_digits
+    from telemetry import TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.RandomState(1234).permutation(len(y))
+    x, y = torch.tensor(x[order] / 16, dtype=torch.float32), torch.tensor(y[order])
+    fresh = {}
+    for name, last in (("softmax", [nn.Softmax(-1)]), ("logits", [])):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10), *last)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
+        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+        for epoch in range(10):
+            for i, (xb, yb) in enumerate(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1000], y[:1000]),
+                                                                     batch_size=32, shuffle=True)):
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                opt.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
+                opt.zero_grad()
+        tel.close()
+        with torch.no_grad():
+            out = model(x[1100:])
+            fresh[name] = float(F.nll_loss(out.log() if last else F.log_softmax(out, -1), y[1100:]))
+    assert fresh["softmax"] > 1.5 * fresh["logits"], fresh
+    run, found = codes(tmp_path / "softmax")
+    assert at.diagnose(run)[0].code == "probability_outputs", found
+    run, found = codes(tmp_path / "logits")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
