@@ -3240,6 +3240,47 @@ def _train_shares(run: Run):
     return names + unseen, shares, len(sizes), st
 
 
+def check_class_never_predicted(run: Run) -> list:
+    """A class the train batches hold about as often as the others (half its even share or more) that the
+    model never predicts on the holdout in its last three evaluations, whose examples of it (5 or more) are
+    all wrong over the last quarter, each with that class's logit the lowest of all, while it recognises 8 in
+    10 of the other classes' examples: the loss never asked for it. CrossEntropyLoss(ignore_index=0) copied from text code, where 0 pads, skips a real class 0;
+    a class weight of 0 does the same."""
+    h, found = holdout_data(run), _train_shares(run)
+    right = _late_right(h) if h is not None and h.kind == "classification" and (h.num_classes or 0) >= 3 else None
+    preds = [p for p in h.predictions_last if isinstance(p, list) and p] if right is not None else []
+    if right is None or not preds or found is None:
+        return []
+    share, never = dict(zip(*found[:2])), []
+    try:   # the last evaluation's logits, where the records keep them
+        z, y = np.array(holdout_logits_of(h.raw[-1]), dtype=float), np.array(h.raw[-1].get("labels"), dtype=int)
+    except (TypeError, ValueError):
+        return []
+    if z.ndim != 2 or z.shape != (len(y), h.num_classes) or len(y) != len(h.labels):
+        return []
+    for c in range(h.num_classes):
+        mine = h.labels == c
+        # its logit the lowest of all on every example of it: pushed down by the others' losses, never up
+        # (a class the model is slow to learn ranks among the others on its own examples)
+        if mine.sum() >= 5 and not right[mine].any() and share.get(str(c), 0) >= 0.5 / h.num_classes \
+                and all(c not in p for p in preds) and right[~mine].mean() >= 0.8 \
+                and (z[y == c, c] <= z[y == c].min(axis=1)).all():
+            never.append((c, int(mine.sum()), share[str(c)]))
+    if not never:
+        return []
+    said = "; ".join(f"class {c}: {n} holdout examples, {s:.0%} of the train batches' labels" for c, n, s in never)
+    return [Finding(
+        "class_never_predicted", "warning",
+        f"the model never predicts {'classes' if len(never) > 1 else 'class'} "
+        f"{', '.join(str(c) for c, *_ in never)} on the holdout, though the training batches hold "
+        f"{'them' if len(never) > 1 else 'it'} as often as the others, while it gets the other classes' examples "
+        f"right {float(np.mean([right[h.labels != c].mean() for c, *_ in never])):.0%} of the time ({said}).",
+        _steps_list([int(h.steps[-1])]),
+        hint="The loss never asks for that class: CrossEntropyLoss(ignore_index=...) set to a real class (the 0 "
+             "that pads text, copied to labels where 0 is a class; the default, -100, is no class), a class weight "
+             "of 0, or the class's labels masked or mapped to another before the loss.")]
+
+
 def _rare_classes_neglected(h: Holdout, labels: list, shares: np.ndarray):
     """(True/False, text) whether the holdout's examples of the classes rarer than even in the train batches
     are recognised far less often than those of the other classes, over the last quarter of its evaluations
@@ -3472,6 +3513,34 @@ def check_constant_inputs(run: Run) -> list:
 def _troubles(run: Run, checks: tuple) -> list:
     """The codes of the findings these checks give the run, sorted."""
     return sorted({f.code for check in checks for f in check(run)})
+
+
+BN_SMALL_BATCH = 4   # examples per batch at or under which BatchNorm's batch statistics are noise
+
+
+def check_batchnorm_small_batches(run: Run) -> list:
+    """BatchNorm layers (run.json's batchnorm) trained on batches of BN_SMALL_BATCH examples or fewer (the
+    median over the records), in a run that blows up, stalls, or whose holdout ends at chance or overfits:
+    normalised over two examples, every unit reads about +1 or -1 whatever the input, and the running
+    statistics that evaluation uses describe no batch the model trained on. The batch size is the cause."""
+    norms = run.meta.get("batchnorm")
+    sizes = _finite(column(run, "batch_stats.batch_size"))
+    if not isinstance(norms, list) or not norms or len(sizes) < 5 or np.median(sizes) > BN_SMALL_BATCH:
+        return []
+    effects = _troubles(run, (check_nonfinite, check_loss_diverging, check_exploding_gradients, check_loss_oscillating,
+                              check_loss_stalled, check_holdout_at_chance, check_overfitting))
+    if not effects:
+        return []
+    st = steps(run)
+    return [Finding(
+        "batchnorm_small_batches", "warning",
+        f"{len(norms)} BatchNorm layer(s) ({', '.join(map(str, norms[:4]))}{' and more' if len(norms) > 4 else ''}) "
+        f"train on batches of {int(np.median(sizes))} examples (the median over {len(sizes)} records), and the run "
+        f"shows it ({', '.join(effects)}): statistics over so few examples are noise, and the running ones that "
+        "evaluation uses are not those the model trained with.", _steps_list([st[0], st[-1]]),
+        hint="Train on larger batches (16 or more per device), or swap BatchNorm for GroupNorm or LayerNorm, which "
+             "do not depend on the batch; fine-tuning a pretrained model on small batches, keep its BatchNorm "
+             "layers in eval mode (their running statistics frozen).")]
 
 
 def check_unscaled_inputs(run: Run) -> list:
@@ -3964,8 +4033,9 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_unscaled_targets,
-          check_class_imbalance, check_nonfinite, check_loss_diverging, check_loss_spikes, check_exploding_gradients,
-          check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
+          check_batchnorm_small_batches,
+          check_class_imbalance, check_class_never_predicted, check_nonfinite, check_loss_diverging,
+          check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
           check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
           check_metric_errors)
 
@@ -3983,11 +4053,12 @@ STAGES = (
     ("section_failed", "optimizers_in_turn", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
      "accumulation_discarded", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lr_zero",
      "lora_not_learning", "lr_collapsed", "lr_below_base", "lr_schedule_restarted", "dropout_too_high",
+     "batchnorm_small_batches",
      "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
      "constant_inputs", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
-     "holdout_positions_untrained", "class_imbalance", "holdout_below_chance"),
+     "holdout_positions_untrained", "class_imbalance", "class_never_predicted", "holdout_below_chance"),
     ("nonfinite", "loss_diverging", "loss_spike", "exploding_gradients", "loss_oscillating"),
     # a group that stands still for a reason the records do not name: after a blow-up, dead units do that
     ("dead_units", "saturated_units", "vanishing_gradients", "frozen_group"),
@@ -4105,6 +4176,11 @@ FINDINGS = {
                      "the records do not name"),
     "holdout_at_chance": (("critical",), "analyzer", "the holdout's accuracy or loss stays at chance (a language "
                           "model's: no better than its tokens' frequencies)"),
+    "batchnorm_small_batches": (("warning",), "analyzer", "BatchNorm layers train on batches of 4 examples or "
+                                "fewer, and the run blows up, stalls, overfits or ends at chance"),
+    "class_never_predicted": (("warning",), "analyzer", "a class the training batches hold as often as the others "
+                              "is never predicted on the holdout, where the others mostly are: the loss skips it "
+                              "(ignore_index set to a real class, a class weight of 0)"),
     "holdout_below_chance": (("critical",), "analyzer", "the holdout's accuracy stays below chance: the model "
                              "learned to pick wrong classes (labels apart from their inputs, a loss maximised)"),
     "loss_stalled": (("warning",), "analyzer", "the training loss stopped falling well above where it "
@@ -4185,13 +4261,15 @@ CONSEQUENCES = {
     "lr_below_base": _UNTRAINED_PART + ("not_learning",),
     # most of each layer's inputs dropped: the training fits slowly, and no better than the dropout lets it
     "dropout_too_high": ("loss_stalled", "not_learning"),
+    # noisy batch statistics: noisy steps, and a holdout scored with running statistics no batch had
+    "batchnorm_small_batches": _AFTER_A_BLOWUP,
     # a warmup begun again and again: the lr saws below its peak and never anneals
     "lr_schedule_restarted": ("loss_stalled", "loss_oscillating"),
     # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly
     "probability_outputs": ("loss_stalled", "not_learning", "vanishing_gradients"),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model
     # learns the train shares
-    "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting"),
+    "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting", "class_never_predicted"),
     **dict.fromkeys(BLOWUPS, _AFTER_A_BLOWUP),
     # layers that never get a gradient, inside a group that trains, are parameters that cannot train as well
     "frozen_group": ("holdout_at_chance", "loss_stalled", "forgetting"),

@@ -3543,6 +3543,12 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
              if isinstance(m, torch.nn.modules.dropout._DropoutNd) and isinstance(m.p, (int, float)) and m.p >= 0.5}
     if heavy:
         info["dropout"] = heavy
+    # batch statistics over a handful of examples are noise, and the running ones evaluation uses are not the
+    # ones the model trained with: the analyzer sets these against the batch sizes
+    norms = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats and not isinstance(m, torch.nn.SyncBatchNorm)]  # that one pools the ranks
+    if norms:
+        info["batchnorm"] = norms[:20]
     return info
 
 

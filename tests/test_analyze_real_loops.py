@@ -1548,41 +1548,95 @@ def test_a_warmup_longer_than_the_run_is_named(tmp_path):
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
-def test_a_softmax_before_cross_entropy_is_named_while_it_still_learns(tmp_path):
-    """A digits MLP ending in nn.Softmax, trained with CrossEntropyLoss (pixels of 0-1, Adam at 1e-3, 10 epochs
-    of 32-example batches): the loss's own softmax squashes the gradients, and on fresh digits its log-loss is
-    about twice that of the same MLP on logits. It was named only once the train loss sat within a tenth of
-    the floor that loss has on probabilities; it ends 12% above it, while most of the holdout is right, which
-    a model trained on log-probabilities never is at that loss."""
+def loader_epochs(out, model, opt, epochs, batch=32, every=5, loss_fn=F.cross_entropy) -> tuple:
+    """scikit-learn's digits as pixels of 0-1 in a fixed shuffle: `epochs` passes of a shuffling DataLoader of
+    `batch` over the first 1,000, with the real TrainingTelemetry collecting every `every` steps into `out` and
+    the next 100 as its holdout. Returns (x, y) of the 697 fresh digits after them."""
     from sklearn.datasets import load_digits
     from telemetry import TrainingTelemetry
 
     x, y = load_digits(return_X_y=True)
     order = np.random.RandomState(1234).permutation(len(y))
     x, y = torch.tensor(x[order] / 16, dtype=torch.float32), torch.tensor(y[order])
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=every)
+    tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+    data = torch.utils.data.TensorDataset(x[:1000], y[:1000])
+    for epoch in range(epochs):
+        for i, (xb, yb) in enumerate(torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True)):
+            loss = loss_fn(model(xb), yb)
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
+            opt.zero_grad()
+    tel.close()
+    return x[1100:], y[1100:]
+
+
+def test_a_softmax_before_cross_entropy_is_named_while_it_still_learns(tmp_path):
+    """A digits MLP ending in nn.Softmax, trained with CrossEntropyLoss (pixels of 0-1, Adam at 1e-3, 10 epochs
+    of 32-example batches): the loss's own softmax squashes the gradients, and on fresh digits its log-loss is
+    about twice that of the same MLP on logits. It was named only once the train loss sat within a tenth of
+    the floor that loss has on probabilities; it ends 12% above it, while most of the holdout is right, which
+    a model trained on log-probabilities never is at that loss."""
     fresh = {}
     for name, last in (("softmax", [nn.Softmax(-1)]), ("logits", [])):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10), *last)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
-        tel.set_holdout_data((x[1000:1100], y[1000:1100]))
-        for epoch in range(10):
-            for i, (xb, yb) in enumerate(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1000], y[:1000]),
-                                                                     batch_size=32, shuffle=True)):
-                loss = F.cross_entropy(model(xb), yb)
-                loss.backward()
-                opt.step()
-                tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
-                opt.zero_grad()
-        tel.close()
+        x, y = loader_epochs(tmp_path / name, model, torch.optim.Adam(model.parameters(), lr=1e-3), 10)
         with torch.no_grad():
-            out = model(x[1100:])
-            fresh[name] = float(F.nll_loss(out.log() if last else F.log_softmax(out, -1), y[1100:]))
+            out = model(x)
+            fresh[name] = float(F.nll_loss(out.log() if last else F.log_softmax(out, -1), y))
     assert fresh["softmax"] > 1.5 * fresh["logits"], fresh
     run, found = codes(tmp_path / "softmax")
     assert at.diagnose(run)[0].code == "probability_outputs", found
     run, found = codes(tmp_path / "logits")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
+def test_a_class_the_loss_ignores_is_named(tmp_path):
+    """A digits MLP trained with CrossEntropyLoss(ignore_index=0), copied from text code where 0 pads: class 0
+    is a tenth of every batch, and the loss never asks for it. On fresh digits the model never answers 0 and
+    trails the same loop with the default ignore_index; the analyzer said nothing. class_never_predicted names
+    it: no holdout 0 right, its logit the lowest on each of them, the other classes mostly right."""
+    x, y = digit_pixels()
+    fresh = {}
+    for name, ignored in (("ignore_0", 0), ("default", -100)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        digit_epochs(tmp_path / name, model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y, 10,
+                     loss_fn=lambda out, labels, i=ignored: F.cross_entropy(out, labels, ignore_index=i))
+        with torch.no_grad():
+            predicted = model(x[1000:]).argmax(1)
+        fresh[name] = (float((predicted == y[1000:]).float().mean()), int((predicted == 0).sum()))
+    assert fresh["ignore_0"][1] == 0 and fresh["ignore_0"][0] < fresh["default"][0] - 0.05, fresh
+    run, found = codes(tmp_path / "ignore_0")
+    top = at.diagnose(run)[0]
+    assert top.code == "class_never_predicted" and "class 0" in top.message and "ignore_index" in top.hint, found
+    run, found = codes(tmp_path / "default")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
+def test_batchnorm_on_batches_of_two_is_named(tmp_path):
+    """A digits MLP with two BatchNorm layers trained on batches of 2 examples (SGD at 0.01, momentum 0.9):
+    its gradients blow up now and then, and on fresh digits, scored with the running statistics, it trails the
+    same model on batches of 32 far behind. The analyzer led with exploding_gradients ("lower the learning
+    rate"); run.json now lists the BatchNorm layers, and the batch size leads."""
+    fresh = {}
+    for batch, epochs, every in ((2, 3, 25), (32, 10, 5)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 64),
+                              nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+        x, y = loader_epochs(tmp_path / str(batch), model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                             epochs, batch, every)
+        model.eval()
+        with torch.no_grad():
+            fresh[batch] = float((model(x).argmax(1) == y).float().mean())
+    assert fresh[2] < fresh[32] - 0.2, fresh
+    run, found = codes(tmp_path / "2")
+    assert run.meta["batchnorm"] == ["1", "4"]
+    top = at.diagnose(run)[0]
+    assert top.code == "batchnorm_small_batches" and "GroupNorm" in top.hint, found
+    run, found = codes(tmp_path / "32")
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
