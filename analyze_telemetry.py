@@ -1942,7 +1942,9 @@ def check_labels_not_shifted(run: Run) -> list:
         "copy its input: its train loss falls toward 0 while its next-token loss grows.",
         _steps_list([late_copy[1], late_copy[2]]),
         hint="Score logits[:, :-1] against labels[:, 1:] in the loss, or pass labels=input_ids to a Hugging Face "
-             "causal LM, which shifts them itself (and does not want them shifted already).")]
+             "causal LM, which shifts them itself (and does not want them shifted already). A seq2seq decoder "
+             "whose input is its targets as they are sees each answer as it predicts it: feed it the targets "
+             "shifted right (a start token, then targets[:, :-1]).")]
 
 
 PINNED = 0.9   # the share of collections at one gradient norm that says clipping acts at every step

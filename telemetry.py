@@ -4589,14 +4589,17 @@ def per_position(logits: torch.Tensor, labels: Any) -> Optional[tuple]:
 
 def own_tokens(batch: Any, labels: torch.Tensor) -> bool:
     """Per-token labels that are the batch's own input tokens wherever they are supervised, as an HF causal
-    LM takes them (it shifts them itself); other per-token labels (tags, a masked LM's originals, a
-    decoder's targets, next tokens shifted already) are scored at their own positions."""
-    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None
-    if not isinstance(ids, torch.Tensor) or ids.shape != labels.shape or ids.is_floating_point():
-        return False
-    ids, labels = ids.detach().cpu(), labels.detach().cpu()
-    kept = labels != IGNORE_INDEX
-    return bool(kept.any()) and bool((labels[kept] == ids[kept]).all())
+    LM takes them (it shifts them itself), or as a seq2seq decoder's input is by mistake when it is not shifted
+    right (an (inputs..., labels) batch: any of its inputs); other per-token labels (tags, a masked LM's
+    originals, a decoder's targets, next tokens shifted already) are scored at their own positions."""
+    inputs = [batch.get("input_ids")] if isinstance(batch, dict) else list(batch[:-1] if len(batch) > 1 else batch) \
+        if isinstance(batch, (tuple, list)) else []
+    kept = labels.detach().cpu() != IGNORE_INDEX
+    for ids in inputs:
+        if isinstance(ids, torch.Tensor) and ids.shape == labels.shape and not ids.is_floating_point() \
+                and bool(kept.any()) and bool((labels.detach().cpu()[kept] == ids.detach().cpu()[kept]).all()):
+            return True
+    return False
 
 
 def holdout_labels(batch: Any, label_key: Optional[str], labels: Optional[Callable]) -> tuple:

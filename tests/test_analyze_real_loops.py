@@ -1640,6 +1640,68 @@ def test_batchnorm_on_batches_of_two_is_named(tmp_path):
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_a_seq2seq_decoder_fed_its_targets_unshifted_is_named(tmp_path):
+    """A GRU encoder-decoder that reverses 8 digits, trained with teacher forcing, whose decoder input is the
+    target sequence itself rather than a start token and the targets before each position: it learns to copy
+    its decoder input, and decoding greedily from a start token it gets no fresh sequence right, where the
+    same loop with the input shifted right gets many. The holdout, an (source, decoder input, targets) batch
+    like the training ones, was scored at the targets' own positions and read perfect. Labels equal to any
+    input of such a batch are now read as that input's own tokens, scored on the next one, and
+    labels_not_shifted names the copy."""
+    from telemetry import TrainingTelemetry
+
+    def make(n, gen, shifted):
+        src = torch.randint(0, 10, (n, 8), generator=gen)
+        target = src.flip(1)
+        decoder_in = torch.cat([torch.full((n, 1), 10), target[:, :-1]], 1) if shifted else target
+        return src, decoder_in, target
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.enc, self.dec = nn.Embedding(11, 32), nn.GRU(32, 128, batch_first=True), \
+                nn.GRU(32, 128, batch_first=True)
+            self.out = nn.Linear(128, 11)
+
+        def forward(self, src, decoder_in):
+            return self.out(self.dec(self.embed(decoder_in), self.enc(self.embed(src))[1])[0])
+
+        @torch.no_grad()
+        def greedy(self, src):
+            h, token, out = self.enc(self.embed(src))[1], torch.full((len(src), 1), 10), []
+            for _ in range(8):
+                o, h = self.dec(self.embed(token), h)
+                token = self.out(o).argmax(-1)
+                out.append(token)
+            return torch.cat(out, 1)
+
+    fresh = {}
+    for shifted in (False, True):
+        torch.manual_seed(0)
+        model = Seq2Seq()
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / str(shifted)), collect_every_n=5)
+        tel.set_holdout_data(make(50, torch.Generator().manual_seed(99), shifted))
+        gen = torch.Generator().manual_seed(0)
+        for i in range(400):
+            batch = make(64, gen, shifted)
+            loss = F.cross_entropy(model(*batch[:2]).reshape(-1, 11), batch[2].reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
+            opt.zero_grad()
+        tel.close()
+        src, _, target = make(2000, torch.Generator().manual_seed(7), shifted)
+        fresh[shifted] = float((model.greedy(src) == target).all(1).float().mean())
+    assert fresh[False] == 0 and fresh[True] > 0.2, fresh
+    run, found = codes(tmp_path / "False")
+    top = at.diagnose(run)[0]
+    assert top.code == "labels_not_shifted" and "shifted right" in top.hint, found
+    run, found = codes(tmp_path / "True")
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
