@@ -1916,6 +1916,31 @@ def _loss_without_floor(x: np.ndarray, st: np.ndarray) -> list:
 COPIED = 0.8   # a language model whose top prediction is the token at its own position this often copies its input
 
 
+def check_future_visible(run: Run) -> list:
+    """A language model whose predictions before the last position changed when telemetry changed only the
+    last input token (sees_future in the holdout's records, probed once at its first evaluation): each
+    position sees the tokens after it, the one it predicts among them. Its train and holdout losses are
+    those of a model that reads the answer; generating, it has no answer to read."""
+    h = holdout_data(run)
+    seen = [r.get("sees_future") for r in h.raw] if h and h.kind == "lm" else []
+    if True not in seen:
+        return []
+    st = steps(run)
+    entropy, late = _get(run.meta, ["holdout", "token_entropy"]), _late(h, h.loss)
+    below = (f" Its holdout loss, {_fmt(late[0])} nats a token, is what reading the next token gives"
+             + (f" (the tokens' own frequencies give {_fmt(entropy)})" if _has_type(entropy, (int, float)) else "")
+             + ": it says nothing of how the model predicts." if late else "")
+    return [Finding(
+        "future_visible", "critical",
+        "the model sees the tokens it is to predict: changing only the last input token of the holdout's first "
+        "batch changed its predictions at the positions before it, which a causal language model's cannot." + below,
+        _steps_list([int(st[0])]),
+        hint="Mask the attention causally: nn.TransformerEncoder(..., mask=nn.Transformer."
+             "generate_square_subsequent_mask(T), is_causal=True), is_causal=True in scaled_dot_product_attention, "
+             "or a decoder-only model's own causal mask; a bidirectional layer (a bidirectional RNN, a convolution "
+             "that is not causally padded) reads ahead too.")]
+
+
 def check_labels_not_shifted(run: Run) -> list:
     """A language model that predicts the token at each position, not the next one: trained on labels that
     were never shifted (logits[:, t] scored against labels[:, t]), it learns to copy its input, its train loss
@@ -3246,7 +3271,8 @@ def check_class_never_predicted(run: Run) -> list:
     """A class the train batches hold about as often as the others (half its even share or more) that the
     model never predicts on the holdout in its last three evaluations, whose examples of it (5 or more) are
     all wrong over the last quarter, each with that class's logit the lowest of all, while it recognises 8 in
-    10 of the other classes' examples: the loss never asked for it. CrossEntropyLoss(ignore_index=0) copied from text code, where 0 pads, skips a real class 0;
+    10 of the other classes' examples: the loss never asked for it. CrossEntropyLoss(ignore_index=0) copied
+    from text code, where 0 pads, skips a real class 0;
     a class weight of 0 does the same."""
     h, found = holdout_data(run), _train_shares(run)
     right = _late_right(h) if h is not None and h.kind == "classification" and (h.num_classes or 0) >= 3 else None
@@ -4030,14 +4056,16 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
           check_lr_schedule_restarted, check_dropout_too_high,
           check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
-          check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_labels_not_shifted,
+          check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_future_visible,
+          check_labels_not_shifted,
           check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
           check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_unscaled_targets,
           check_batchnorm_small_batches,
           check_class_imbalance, check_class_never_predicted, check_nonfinite, check_loss_diverging,
-          check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units, check_saturated_units, check_vanishing_gradients,
+          check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
+          check_saturated_units, check_vanishing_gradients,
           check_loss_stalled, check_holdout_at_chance, check_overfitting, check_forgetting, check_telemetry_alerts,
           check_metric_errors)
 
@@ -4057,7 +4085,8 @@ STAGES = (
      "lora_not_learning", "lr_collapsed", "lr_below_base", "lr_schedule_restarted", "dropout_too_high",
      "batchnorm_small_batches",
      "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
-     "constant_inputs", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output", "gradient_cut",
+     "constant_inputs", "future_visible", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output",
+     "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "holdout_positions_untrained", "class_imbalance", "class_never_predicted", "holdout_below_chance"),
@@ -4113,6 +4142,8 @@ FINDINGS = {
     "negative_loss": (("critical",), "analyzer", "a classifier's train loss falls below 0 and on without bound: "
                       "NLLLoss on raw outputs, not log-probabilities, or binary targets above 1; or any loss falls "
                       "below 0 by a million times its start: a term with its sign flipped (a VAE's KL subtracted)"),
+    "future_visible": (("critical",), "analyzer", "a language model sees the tokens it predicts: its predictions "
+                       "changed at earlier positions when only the last input token did (no causal mask)"),
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),
@@ -4230,6 +4261,8 @@ CONSEQUENCES = {
     "negative_loss": _AFTER_A_BLOWUP + ("holdout_at_chance", "overfitting", "forgetting"),
     # a model that copies its input fits its train loss, and its next-token holdout gets worse as it does
     "labels_not_shifted": ("overfitting", "forgetting", "holdout_at_chance", "loss_diverging"),
+    # a model that reads the answer: a train loss near 0, and a holdout that says nothing of generation
+    "future_visible": ("overfitting", "forgetting", "holdout_at_chance", "train_loss_near_zero", "loss_diverging"),
     # inputs that carry nothing: only the label shares can be learned, and units sit wherever their biases put them
     "constant_inputs": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting", "dead_units",
                         "saturated_units", "vanishing_gradients"),

@@ -4602,6 +4602,17 @@ def own_tokens(batch: Any, labels: torch.Tensor) -> bool:
     return False
 
 
+def next_tokens(batch: Any, labels: torch.Tensor) -> bool:
+    """Per-token labels that are the batch's token ids one position on, wherever supervised: a language
+    model's next tokens, shifted already."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None
+    if not isinstance(ids, torch.Tensor) or ids.shape != labels.shape or ids.dim() != 2 or ids.is_floating_point():
+        return False
+    ahead, ids = labels.detach().cpu()[:, :-1], ids.detach().cpu()[:, 1:]
+    kept = ahead != IGNORE_INDEX
+    return bool(kept.any()) and bool((ahead[kept] == ids[kept]).all())
+
+
 def holdout_labels(batch: Any, label_key: Optional[str], labels: Optional[Callable]) -> tuple:
     """(labels of a holdout batch, the dict key they came from): labels(batch) when given; else the batch's
     label key, or a causal LM's own input_ids; else the last element of an (inputs..., labels) batch."""
@@ -4709,6 +4720,8 @@ class _Holdout:
         self.regression = False
         self.graded = False  # integer labels other than 0/1: one output per example is then a regression
         self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
+        self.sees_future: Optional[bool] = None  # see future_probe; None until probed
+        self.predicts_next = False
         self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
         # A bool on the device: no evaluation so far had one output per example outside [0, 1] (see
         # classification_holdout). None before the first.
@@ -4742,6 +4755,7 @@ class _Holdout:
                                  "inputs are not all tensors; pass forward=lambda model, batch: ...")
             found.append(got)
         self.batches, self.on_device, self.probabilities, self.signatures = batches, {}, None, {}
+        self.sees_future = None
         self.forward, self.labels, self.output = forward, labels, output
         self.regression = any(is_regression_target(t) for t in found)
         # Integer labels beyond 0/1 against one output per example: a regression on them (ordinal targets, or
@@ -4749,6 +4763,9 @@ class _Holdout:
         self.graded = any(not t.is_floating_point() and t.dim() <= 1 and not _zero_one(t.detach().cpu())
                           for t in found)
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
+        # a language model's holdout, its labels shifted by the model or already: whether it sees ahead is probed
+        self.predicts_next = any(t.dim() == 2 and (own_tokens(b, t) or next_tokens(b, t))
+                                 for b, t in zip(batches, found))
         return sum(_holdout_batch_size(b) for b in batches)
 
     def input_scale(self) -> Dict[str, float]:
@@ -4833,8 +4850,9 @@ class _Holdout:
         try:
             found = [(batch_inputs(b), holdout_labels(b, self.config.batch_label_key, self.labels)[0])
                      for b in self.batches]
-            same = bool(found) and all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
-                                       and x.is_floating_point() and torch.equal(x, y.to(x.device)) for x, y in found)
+            same = bool(found) and all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                                       and x.shape == y.shape and x.is_floating_point()
+                                       and torch.equal(x, y.to(x.device)) for x, y in found)
         except Exception:  # what telemetry only describes never stops set_holdout_data
             return {}
         return {"targets_are_inputs": True} if same else {}
@@ -4918,6 +4936,27 @@ class _Holdout:
                                 "forward=lambda model, batch: ... to set_holdout_data") from exc
         return output_logits(outputs, self.output), labels
 
+    def future_probe(self, model: torch.nn.Module, batch: Any, logits: torch.Tensor) -> Optional[bool]:
+        """Whether a language model's predictions before the last position change when only the last input token
+        does (another example's): a causal model's cannot, and one that sees the tokens it is to predict (a
+        transformer without its causal mask) reads its next-token holdout near perfect while it generates
+        nothing. One more forward, at the first evaluation; None where the batch's token ids are not found."""
+        key = "input_ids" if isinstance(batch, dict) else 0
+        ids = batch.get(key) if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 2 or ids.is_floating_point():
+            return None
+        changed = ids.clone()
+        changed[:, -1] = ids[:, -1].roll(1, 0) if len(ids) > 1 and not torch.equal(ids[:, -1].roll(1, 0), ids[:, -1]) \
+            else ids[:, 0]
+        if torch.equal(changed, ids):
+            return None
+        altered = {**batch, key: changed} if isinstance(batch, dict) else type(batch)([changed, *batch[1:]])
+        other = self.forward_one(model, altered)[0].detach().float()[:, :-1]
+        before = logits.detach().float()[:, :-1]
+        if other.shape != before.shape:
+            return None
+        return bool((other - before).abs().max() > 1e-3 * before.abs().max() + 1e-6)
+
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
         """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models,
         squared and absolute errors for regression)."""
@@ -4929,18 +4968,27 @@ class _Holdout:
             if dense is not None:  # a segmentation's pixels: scored as positions, with no shift
                 return language_model_holdout(*dense, shift=False)
             if logits.dim() == 3 and not self.regression:  # reduce each batch at once: [batch, seq, vocab] is large
+                if self.predicts_next and self.sees_future is None and not ranks.lockstep and not probe:
+                    probe.append((batch, logits))  # probed below, once the activations are no longer watched
                 return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift)
             return logits, labels
 
         watch = _ActivationWatch(model) if self.config.track_activations and not ranks.lockstep else None
-        with _evaluating(model), watch.watching() if watch is not None else contextlib.nullcontext():
-            parts = ranks.over_batches("holdout", self.on(model, device), score)
+        probe: List[tuple] = []
+        with _evaluating(model):
+            with watch.watching() if watch is not None else contextlib.nullcontext():
+                parts = ranks.over_batches("holdout", self.on(model, device), score)
+            if probe:
+                self.sees_future = self.future_probe(model, *probe[0])
         self.activations = watch.section() if watch is not None else None
         if parts is None:
             return None
         lm = [p for p in parts if isinstance(p, dict)]
         if lm:
-            return merge_lm_holdout(lm)
+            merged = merge_lm_holdout(lm)
+            if self.sees_future is not None:
+                merged["sees_future"] = self.sees_future
+            return merged
         outputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(p[1].shape[0], -1) for p in parts])
         if self.regression or (self.graded and (outputs.dim() == 1 or outputs.shape[-1] == 1)):
             return regression_holdout(outputs, targets)

@@ -1702,6 +1702,68 @@ def test_a_seq2seq_decoder_fed_its_targets_unshifted_is_named(tmp_path):
     assert not [f for f in found.values() if f.severity != "info"], found
 
 
+def test_a_transformer_lm_without_its_causal_mask_is_named(tmp_path):
+    """A character transformer LM on Python's own source, its holdout (windows, next characters) shifted
+    already. Without the causal mask each position attends to the next character and reads it: its holdout
+    loss falls far below the characters' frequencies, while scored causally on fresh text it is far worse
+    than the same model trained with the mask. The analyzer said nothing. Telemetry now changes the last input
+    token of the holdout's first batch once and sees the predictions before it change, and future_visible
+    names it; with the mask, nothing changes and nothing is said."""
+    import argparse
+    import os
+    from telemetry import TrainingTelemetry
+
+    text = "".join(open(m.__file__, encoding="utf-8").read() for m in (argparse, os))
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    cut = int(len(data) * 0.9)
+
+    def windows(start, end, n, gen):
+        at = torch.randint(start, end - 33, (n,), generator=gen)
+        return torch.stack([data[i:i + 32] for i in at]), torch.stack([data[i + 1:i + 33] for i in at])
+
+    class Tiny(nn.Module):
+        def __init__(self, causal):
+            super().__init__()
+            self.causal, self.tok, self.pos = causal, nn.Embedding(len(chars), 64), nn.Embedding(32, 64)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True, norm_first=True)
+            self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(64, len(chars))
+
+        def forward(self, x, causal=None):
+            causal = self.causal if causal is None else causal
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1]) if causal else None
+            return self.head(self.body(self.tok(x) + self.pos(torch.arange(x.shape[1])), mask=mask, is_causal=causal))
+
+    fresh = {}
+    for causal in (False, True):
+        torch.manual_seed(0)
+        model = Tiny(causal)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / str(causal)), collect_every_n=5)
+        tel.set_holdout_data(windows(cut, len(data), 50, torch.Generator().manual_seed(99)))
+        gen = torch.Generator().manual_seed(0)
+        for i in range(150):
+            x, y = windows(0, cut, 32, gen)
+            loss = F.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, 0, batch=(x, y), loss=loss)
+            opt.zero_grad()
+        tel.close()
+        with torch.no_grad():
+            x, y = windows(cut, len(data), 200, torch.Generator().manual_seed(7))
+            fresh[causal] = float(F.cross_entropy(model(x, causal=True).reshape(-1, len(chars)), y.reshape(-1)))
+    assert fresh[False] > fresh[True] + 0.3, fresh
+    run, found = codes(tmp_path / "False")
+    assert [r["holdout_logits"].get("sees_future") for r in run.records][-1] is True
+    top = at.diagnose(run)[0]
+    assert top.code == "future_visible" and "causal" in top.hint, found
+    run, found = codes(tmp_path / "True")
+    assert run.records[-1]["holdout_logits"]["sees_future"] is False
+    assert not [f for f in found.values() if f.severity != "info"], found
+
+
 def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The

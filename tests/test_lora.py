@@ -401,7 +401,9 @@ def test_lm_holdout_matches_hf_loss_and_passes_no_labels(tmp_path):
         hold = tele.on_batch_end(model, None, 1, 0)["holdout_logits"]
     finally:
         hook.remove()
-    assert len(seen) == 2 and all("labels" not in keys for keys in seen)
+    # the two batches, and the first once more with its last token changed: a causal LM's earlier predictions
+    # stay as they were (future_probe, at the first evaluation only)
+    assert len(seen) == 3 and all("labels" not in keys for keys in seen) and hold["sees_future"] is False
     assert model.training  # the holdout put train mode back
 
     model.eval()
