@@ -4602,15 +4602,24 @@ def own_tokens(batch: Any, labels: torch.Tensor) -> bool:
     return False
 
 
-def next_tokens(batch: Any, labels: torch.Tensor) -> bool:
-    """Per-token labels that are the batch's token ids one position on, wherever supervised: a language
-    model's next tokens, shifted already."""
-    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None
-    if not isinstance(ids, torch.Tensor) or ids.shape != labels.shape or ids.dim() != 2 or ids.is_floating_point():
-        return False
-    ahead, ids = labels.detach().cpu()[:, :-1], ids.detach().cpu()[:, 1:]
-    kept = ahead != IGNORE_INDEX
-    return bool(kept.any()) and bool((ahead[kept] == ids[kept]).all())
+def token_input(batch: Any, labels: torch.Tensor) -> Any:
+    """The key or index of the input whose token ids per-token labels are, wherever supervised: the same tokens
+    (own_tokens) or the next ones (a language model's, shifted already); None for other labels (tags, a
+    seq2seq decoder's targets)."""
+    if labels.dim() != 2:
+        return None
+    found = [("input_ids", batch.get("input_ids"))] if isinstance(batch, dict) else list(enumerate(
+        batch[:-1] if len(batch) > 1 else batch)) if isinstance(batch, (tuple, list)) else []
+    labels = labels.detach().cpu()
+    for key, ids in found:
+        if not isinstance(ids, torch.Tensor) or ids.shape != labels.shape or ids.is_floating_point():
+            continue
+        ids = ids.detach().cpu()
+        for ahead, here in ((labels, ids), (labels[:, :-1], ids[:, 1:])):
+            kept = ahead != IGNORE_INDEX
+            if bool(kept.any()) and bool((ahead[kept] == here[kept]).all()):
+                return key
+    return None
 
 
 def holdout_labels(batch: Any, label_key: Optional[str], labels: Optional[Callable]) -> tuple:
@@ -4721,7 +4730,7 @@ class _Holdout:
         self.graded = False  # integer labels other than 0/1: one output per example is then a regression
         self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
         self.sees_future: Optional[bool] = None  # see future_probe; None until probed
-        self.predicts_next = False
+        self.token_input: Any = None  # see token_input
         self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
         # A bool on the device: no evaluation so far had one output per example outside [0, 1] (see
         # classification_holdout). None before the first.
@@ -4764,8 +4773,9 @@ class _Holdout:
                           for t in found)
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
         # a language model's holdout, its labels shifted by the model or already: whether it sees ahead is probed
-        self.predicts_next = any(t.dim() == 2 and (own_tokens(b, t) or next_tokens(b, t))
-                                 for b, t in zip(batches, found))
+        # on the input they are the tokens of
+        self.token_input = next((k for k in (token_input(b, t) for b, t in zip(batches, found)) if k is not None),
+                                None)
         return sum(_holdout_batch_size(b) for b in batches)
 
     def input_scale(self) -> Dict[str, float]:
@@ -4941,8 +4951,8 @@ class _Holdout:
         does (another example's): a causal model's cannot, and one that sees the tokens it is to predict (a
         transformer without its causal mask) reads its next-token holdout near perfect while it generates
         nothing. One more forward, at the first evaluation; None where the batch's token ids are not found."""
-        key = "input_ids" if isinstance(batch, dict) else 0
-        ids = batch.get(key) if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else None
+        key = self.token_input
+        ids = batch.get(key) if isinstance(batch, dict) else batch[key] if isinstance(batch, (tuple, list)) else None
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 2 or ids.is_floating_point():
             return None
         changed = ids.clone()
@@ -4950,7 +4960,9 @@ class _Holdout:
             else ids[:, 0]
         if torch.equal(changed, ids):
             return None
-        altered = {**batch, key: changed} if isinstance(batch, dict) else type(batch)([changed, *batch[1:]])
+        items = [changed if i == key else x for i, x in enumerate(batch)] if not isinstance(batch, dict) else []
+        altered = {**batch, key: changed} if isinstance(batch, dict) else type(batch)(*items) if hasattr(
+            batch, "_fields") else type(batch)(items)  # a namedtuple takes its fields one by one
         other = self.forward_one(model, altered)[0].detach().float()[:, :-1]
         before = logits.detach().float()[:, :-1]
         if other.shape != before.shape:
@@ -4968,7 +4980,7 @@ class _Holdout:
             if dense is not None:  # a segmentation's pixels: scored as positions, with no shift
                 return language_model_holdout(*dense, shift=False)
             if logits.dim() == 3 and not self.regression:  # reduce each batch at once: [batch, seq, vocab] is large
-                if self.predicts_next and self.sees_future is None and not ranks.lockstep and not probe:
+                if self.token_input is not None and self.sees_future is None and not ranks.lockstep and not probe:
                     probe.append((batch, logits))  # probed below, once the activations are no longer watched
                 return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift)
             return logits, labels
