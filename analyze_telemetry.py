@@ -3548,7 +3548,8 @@ BN_SMALL_BATCH = 4   # examples per batch at or under which BatchNorm's batch st
 
 def check_batchnorm_small_batches(run: Run) -> list:
     """BatchNorm layers (run.json's batchnorm) trained on batches of BN_SMALL_BATCH examples or fewer (the
-    median over the records), in a run that blows up, stalls, or whose holdout ends at chance or overfits:
+    median over the records), in a run that blows up, starves its first layers, stalls, or whose holdout ends
+    at chance or overfits:
     normalised over two examples, every unit reads about +1 or -1 whatever the input, and the running
     statistics that evaluation uses describe no batch the model trained on. The batch size is the cause."""
     norms = run.meta.get("batchnorm")
@@ -3556,7 +3557,7 @@ def check_batchnorm_small_batches(run: Run) -> list:
     if not isinstance(norms, list) or not norms or len(sizes) < 5 or np.median(sizes) > BN_SMALL_BATCH:
         return []
     effects = _troubles(run, (check_nonfinite, check_loss_diverging, check_exploding_gradients, check_loss_oscillating,
-                              check_loss_stalled, check_holdout_at_chance, check_overfitting))
+                              check_vanishing_gradients, check_loss_stalled, check_holdout_at_chance, check_overfitting))
     if not effects:
         return []
     st = steps(run)
