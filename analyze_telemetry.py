@@ -1350,6 +1350,56 @@ def check_lr_below_base(run: Run) -> list:
              "length (OneCycleLR(..., epochs=E, steps_per_epoch=len(loader))); else check the schedule's factor.")]
 
 
+# Significant bits of the low-precision formats weights are trained in: a value v in [2^e, 2^(e+1)) has a
+# spacing of 2^(e + 1 - bits) to the next one, and round-to-nearest drops a step under half of it.
+PRECISION_BITS = {"bfloat16": 8, "float16": 11}
+# torch's optimizers whose step moves each element by about the learning rate or less, whatever the gradient's
+# size (Adam's m/sqrt(v), Adagrad's and RMSprop's normalised steps), so the lr bounds the update.
+BOUNDED_STEPS = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "RMSprop")
+
+
+def check_low_precision_updates(run: Run) -> list:
+    """Weights the optimizer steps in bfloat16 or float16 itself (run.json's low_precision: no float32 master
+    copy), whose typical size is so large against the learning rate that a step of it is under half the
+    format's spacing there and rounds away. With torch's Adam-like optimizers no element moves by much more
+    than the lr, so a group's peak lr sets the weight size from which every update is lost, and the rms of its
+    weights (weight_norm over the root of its elements) says that the typical weight is past it. The run then
+    trains only its smallest weights: a model loaded in bf16 and fine-tuned at 1e-5 with AdamW."""
+    low, groups = (run.meta.get(k) if isinstance(run.meta.get(k), dict) else {} for k in ("low_precision", "groups"))
+    lost = {}
+    for g, entry in low.items():
+        optimizer = entry.get("optimizer") if isinstance(entry, dict) else None
+        if not (isinstance(optimizer, str) and optimizer.startswith("torch.optim.")
+                and optimizer.rsplit(".", 1)[-1] in BOUNDED_STEPS):
+            continue
+        held = [(k, v) for k, v in entry.items() if k in PRECISION_BITS and _has_type(v, int)]
+        elements = groups.get(g, {}).get("elements") if isinstance(groups.get(g), dict) else None
+        if not held or not _has_type(elements, int) or elements <= 0:
+            continue
+        dtype, count = max(held, key=lambda kv: kv[1])
+        lr, norms = (_finite(column(run, (key, g))) for key in ("learning_rates", "weight_norm"))
+        lr = lr[lr > 0]
+        if count < elements / 2 or len(lr) < 3 or len(norms) < 3:
+            continue
+        peak, rms = float(lr.max()), float(np.median(norms)) / math.sqrt(elements)
+        # the smallest power of two from which half the spacing exceeds a step of the peak lr
+        cut = 2.0 ** (math.floor(math.log2(peak * 2 ** PRECISION_BITS[dtype])) + 1)
+        if rms >= cut:
+            lost[g] = (dtype, peak, cut, rms, optimizer.rsplit(".", 1)[-1])
+    if not lost:
+        return []
+    said = "; ".join(f"group '{g}': {dtype} weights of rms {_fmt(rms)}, stepped by {opt} at a peak lr of {_fmt(peak)}, "
+                     f"which rounds away at every weight of magnitude above {_fmt(cut)}"
+                     for g, (dtype, peak, cut, rms, opt) in lost.items())
+    return [Finding(
+        "low_precision_updates", "warning",
+        f"the optimizer steps low-precision weights itself, at a learning rate too small for their format: {said}. "
+        "The typical weight never moves; only the smallest ones train.", _steps_list(steps(run)[:1]),
+        hint="Keep the weights in float32 and compute in low precision under torch.autocast(dtype=torch.bfloat16) "
+             "(with Hugging Face, load the model in float32 and set bf16=True), or use an optimizer that keeps "
+             "float32 master weights or rounds stochastically. A larger learning rate only moves the cut.")]
+
+
 # A OneCycleLR's lr climbs once and then falls for good: falling to under LR_RESTART_FALL of itself from one
 # collection to the next and then climbing LR_RESTART_RISE-fold again is a schedule begun anew.
 LR_RESTART_FALL = 0.5
@@ -4055,6 +4105,7 @@ def check_metric_errors(run: Run) -> list:
 CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scratch, check_weights_rolled_back,
           check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
+          check_low_precision_updates,
           check_lr_schedule_restarted, check_dropout_too_high,
           check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_future_visible,
@@ -4083,7 +4134,8 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 STAGES = (
     ("section_failed", "optimizers_in_turn", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
      "accumulation_discarded", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lr_zero",
-     "lora_not_learning", "lr_collapsed", "lr_below_base", "lr_schedule_restarted", "dropout_too_high",
+     "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates",
+     "lr_schedule_restarted", "dropout_too_high",
      "batchnorm_small_batches",
      "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
      "constant_inputs", "future_visible", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output",
@@ -4131,6 +4183,9 @@ FINDINGS = {
                      "of the run and stayed there"),
     "lr_below_base": (("warning",), "analyzer", "every learning rate stayed under 1/20 of the lr its scheduler "
                       "started from, over the whole run (a warmup that never ends)"),
+    "low_precision_updates": (("warning",), "analyzer", "the optimizer steps bfloat16 or float16 weights itself "
+                              "(no float32 master copy) at a learning rate under half their spacing at the typical "
+                              "weight's size: those updates round to nothing"),
     "dropout_too_high": (("warning",), "analyzer", "dropout layers drop 80% or more of their inputs and the train "
                          "loss stays far above the holdout's: p is the share dropped, not kept (keep_prob)"),
     "lr_schedule_restarted": (("warning",), "analyzer", "a OneCycleLR's learning rate fell back to its start and "
@@ -4295,6 +4350,8 @@ CONSEQUENCES = {
     "unscaled_targets": _OFF_SCALE,
     "lr_collapsed": _UNTRAINED_PART + ("not_learning",),
     "lr_below_base": _UNTRAINED_PART + ("not_learning",),
+    # most weights never move: the loss falls slowly, on what the smallest weights can do
+    "low_precision_updates": _UNTRAINED_PART + ("not_learning",),
     # most of each layer's inputs dropped: the training fits slowly, and no better than the dropout lets it
     "dropout_too_high": ("loss_stalled", "not_learning"),
     # noisy batch statistics: noisy steps, and a holdout scored with running statistics no batch had

@@ -3549,7 +3549,32 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
              and m.track_running_stats and not isinstance(m, torch.nn.SyncBatchNorm)]  # that one pools the ranks
     if norms:
         info["batchnorm"] = norms[:20]
+    low = _low_precision_groups(optimizer, layout, partitions)
+    if low:
+        info["low_precision"] = low
     return info
+
+
+def _low_precision_groups(optimizer: Any, layout: _Layout, partitions: List[dict]) -> Dict[str, Dict[str, Any]]:
+    """{group: {dtype: elements, "optimizer": its class, module included}} for the groups whose trainable
+    tensors the optimizer steps in bfloat16 or float16 itself: a step smaller than half the spacing of those
+    formats at a weight's size rounds to nothing. An optimizer that keeps float32 master copies holds those,
+    not the model's tensors, which are then outside every group and not here."""
+    owners = {id(p): o for o in getattr(optimizer, "members", [optimizer]) if o is not None
+              for g in getattr(o, "param_groups", ()) for p in g["params"]}
+    low: Dict[str, Dict[str, Any]] = {}
+    for part in partitions:
+        for g, idx in part.items():
+            counts: Dict[str, Any] = {}
+            for i in idx:
+                p = layout.params[i]
+                if p.dtype in (torch.bfloat16, torch.float16):
+                    dtype = str(p.dtype).replace("torch.", "")
+                    counts[dtype] = counts.get(dtype, 0) + p.numel()
+            owner = owners.get(id(layout.params[idx[0]])) if counts else None
+            if owner is not None:
+                low[g] = dict(counts, optimizer=f"{type(owner).__module__}.{type(owner).__qualname__}")
+    return low
 
 
 # ---- one collection ----------------------------------------------------------------------------------
