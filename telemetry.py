@@ -3572,6 +3572,10 @@ def _low_precision_groups(optimizer: Any, layout: _Layout, partitions: List[dict
                     dtype = str(p.dtype).replace("torch.", "")
                     counts[dtype] = counts.get(dtype, 0) + p.numel()
             owner = owners.get(id(layout.params[idx[0]])) if counts else None
+            # the optimizer a wrapper steps through (accelerate's AcceleratedOptimizer, Lightning's)
+            while owner is not None and hasattr(getattr(owner, "optimizer", None), "param_groups") \
+                    and owner.optimizer is not owner:
+                owner = owner.optimizer
             if owner is not None:
                 low[g] = dict(counts, optimizer=f"{type(owner).__module__}.{type(owner).__qualname__}")
     return low

@@ -502,6 +502,31 @@ def test_trainer_grad_norm_loss_and_all_lrs_match_the_trainers_log(tmp_path):
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks  # removed at train end
 
 
+def test_a_model_fine_tuned_in_bf16_at_a_small_lr_is_told_its_updates_round_away(tmp_path):
+    """The Llama cast to bfloat16 as a whole and fine-tuned by the Trainer with torch's AdamW at 2e-5, stepping
+    its bf16 weights itself: run.json names the optimizer inside accelerate's wrapper, and the analyzer names the
+    weight size above which a step rounds away. The weights the test kept before training say the same: every
+    element above that size is exactly where it started, and most of the ones under half of it moved."""
+    import analyze_telemetry as at
+
+    model = tiny_llama().to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tele = new_telemetry(tmp_path / "run")
+    run_trainer(tmp_path, model, tele, steps=8, optimizer=torch.optim.AdamW(model.parameters(), lr=2e-5))
+    run = at.load_run(str(tmp_path / "run"), progress=False)
+    assert run.meta["optimizer"] == "AcceleratedOptimizer"
+    assert run.meta["low_precision"]["group_0"] == {"bfloat16": sum(p.numel() for p in model.parameters()),
+                                                     "optimizer": "torch.optim.adamw.AdamW"}
+    found = at.check_low_precision_updates(run)
+    assert [f.code for f in found] == ["low_precision_updates"]
+    cut = 2.0 ** round(math.log2(float(found[0].message.split("magnitude above ")[1].split(". ")[0])))
+    w0 = torch.cat([before[n].reshape(-1) for n, _ in model.named_parameters()]).double()
+    w = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()]).double()
+    assert (w0.abs() > cut).double().mean() > 0.5 and torch.equal(w[w0.abs() > cut], w0[w0.abs() > cut])
+    small = w0.abs() < cut / 2
+    assert (w[small] != w0[small]).double().mean() > 0.5
+
+
 def test_trainer_counts_optimizer_steps_under_gradient_accumulation(tmp_path):
     model = lora_model()
     tele = new_telemetry(tmp_path / "run")
