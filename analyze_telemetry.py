@@ -3736,7 +3736,8 @@ def check_class_imbalance(run: Run) -> list:
     # Only train shares far from the holdout's make the holdout look worse as the model learns them; an
     # imbalance the holdout shares says nothing about why the holdout is at chance or rising.
     hint = ("Rebalance with a WeightedRandomSampler or class weights in the loss, or check the sampler; make sure "
-            "train and holdout come from the same distribution.")
+            "train and holdout come from the same distribution. Where the loss has class weights already, check "
+            "that weight[c] is class c's (inverse counts in class-index order, not value_counts()' order).")
     severity = "info" if untold else "warning"
     if untold:
         hint = ("Where the loss already weighs the classes (CrossEntropyLoss(weight=...)) or the data is this uneven, "
