@@ -1157,14 +1157,20 @@ def check_optimizers_in_turn(run: Run) -> list:
              "on_batch_end(model, [opt_d, opt_g], ...).")]
 
 
+# zero_grad() every few steps: the gradients' norm where they hold the most backward() passes, against where
+# they hold the fewest, at least this ratio (passes of one loss's gradients add up, they do not cancel)
+FEW_STEPS_NORM_RISE = 1.25
+
+
 def check_gradients_never_zeroed(run: Run) -> list:
     """The loop never zeroes the gradients: at two or more collections telemetry saw the same gradient tensor
     changed in place exactly once per optimizer step since the previous one (backward() adding into it),
-    so every step applies the sum of all the gradients so far."""
+    so every step applies the sum of all the gradients so far. Or it zeroes them only every few steps (see
+    _zeroed_every_few_steps)."""
     kept = [r["step"] for r in run.records if _has_type(r.get("step"), int)
             and _has_type(r.get("grads_never_zeroed"), int) and r["grads_never_zeroed"] > 0]
     if len(kept) < 2:
-        return []
+        return _zeroed_every_few_steps(run)
     return [Finding(
         "gradients_never_zeroed", "warning",
         f"the gradients are never zeroed: at {len(kept)} of {len(run.records)} collections the same gradient "
@@ -1173,6 +1179,46 @@ def check_gradients_never_zeroed(run: Run) -> list:
         "grows with the run.", _steps_list(kept),
         hint="Call optimizer.zero_grad() once per optimizer step (before backward(), or after step() when "
              "accumulating gradients over several micro-batches).")]
+
+
+def _zeroed_every_few_steps(run: Run) -> list:
+    """The optimizer steps at every batch, but zero_grad() runs only every few steps: the passes of backward()
+    the gradients hold when read (telemetry's accumulation section, which a step of one batch has only where
+    its gradients were changed in place) climb from step to step and fall back, again and again, and the
+    gradients' norm climbs with them. Each step re-applies the gradients of the steps since the last zero_grad(): gradient
+    accumulation with step() inside the loop over micro-batches. A constant count (clipping, a loss of two
+    backward() passes) is the loop's own, and says nothing."""
+    if not any(isinstance(r.get("accumulation"), dict) and r["accumulation"].get("micro_batches") == 1
+               for r in run.records):
+        return []   # without a record that has one, a step's absent count is not known to be 1
+    rows = []
+    for r in run.records:
+        a, norm = r.get("accumulation"), _get(r, ("gradient_norm", "overall"))
+        if not (_has_type(r.get("step"), int) and _has_type(norm, (int, float)) and math.isfinite(norm)):
+            continue
+        if a is None:
+            rows.append((r["step"], 1, norm))
+        elif isinstance(a, dict) and a.get("micro_batches") == 1 and _has_type(a.get("backward_bound"), int):
+            rows.append((r["step"], a["backward_bound"], norm))
+    bounds = np.array([b for _, b, _ in rows])
+    if len(rows) < 8 or len(set(bounds.tolist())) < 2:
+        return []
+    low, high = bounds.min(), bounds.max()
+    at_low, at_high = (np.median([n for _, b, n in rows if b == v]) for v in (low, high))
+    more = [st for st, b, _ in rows if b > low]
+    falls = int((np.diff(bounds) < 0).sum())  # a count that only ever grew is a change of the loop (clipping begun)
+    if len(more) < 3 or not 0.25 <= len(more) / len(rows) <= 0.9 or falls < 3 \
+            or not at_high >= FEW_STEPS_NORM_RISE * at_low:
+        return []
+    return [Finding(
+        "gradients_never_zeroed", "warning",
+        f"the gradients are zeroed only every {high - low + 1} or so optimizer steps: at {len(more)} of {len(rows)} "
+        f"collections they held more backward() passes than at the others (up to {high - low} more, counted by "
+        f"their in-place changes), and their norm grew with them ({_fmt(at_low)} at the fewest, {_fmt(at_high)} at "
+        "the most). Each step applies again the gradients of the steps since the last zero_grad().",
+        _steps_list(more),
+        hint="Call optimizer.zero_grad() after every optimizer.step(). To accumulate gradients over k "
+             "micro-batches, call step() and zero_grad() together, once every k of them.")]
 
 
 def check_accumulation_discarded(run: Run) -> list:
@@ -4167,7 +4213,8 @@ FINDINGS = {
                             "collections and the train loss rose with them: something outside the optimizer "
                             "overwrote them (an EMA copy swapped in for evaluation and never out)"),
     "gradients_never_zeroed": (("warning",), "analyzer", "the same gradient tensors change once per step in "
-                               "place: backward() adds into them and nothing zeroes them"),
+                               "place: backward() adds into them and nothing zeroes them (or zero_grad() runs only "
+                               "every few steps)"),
     "accumulation_discarded": (("warning",), "analyzer", "the optimizer steps every k batches, but its gradients "
                                "hold fewer backward() passes: zero_grad() between the micro-batches of gradient "
                                "accumulation"),

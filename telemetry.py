@@ -4122,13 +4122,17 @@ class _Gradients:
 
     @staticmethod
     def accumulation(layout: _Layout, micro_batches: int) -> Optional[Dict[str, int]]:
-        """{"micro_batches", "backward_bound"} where an optimizer step takes several micro-batches: the bound is
-        1 + the most in-place changes that any of the first gradients had when read (a tensor's version
-        counter). Each backward() after the one that made a gradient adds into it in place, as do clipping and
-        unscaling, so the bound is at least the backward() passes the gradients hold: one below micro_batches
-        says zero_grad() ran between the micro-batches and the step used the last ones alone."""
+        """{"micro_batches", "backward_bound"} where an optimizer step takes several micro-batches, or where one
+        takes one and its gradients were changed in place: the bound is 1 + the most in-place changes that any
+        of the first gradients had when read (a tensor's version counter). Each backward() after the one that
+        made a gradient adds into it in place, as do clipping and unscaling, so the bound is at least the
+        backward() passes the gradients hold: one below micro_batches says zero_grad() ran between the
+        micro-batches and the step used the last ones alone; one that varies from step to step, with a batch a
+        step, says zero_grad() runs only every few steps."""
         versions = [v for p in layout.params[:16] if isinstance(v := getattr(p.grad, "_version", None), int)]
-        return {"micro_batches": micro_batches, "backward_bound": max(versions) + 1} if versions else None
+        if not versions or (micro_batches == 1 and max(versions) == 0):
+            return None
+        return {"micro_batches": micro_batches, "backward_bound": max(versions) + 1}
 
     def rows(self, layout: _Layout, optimizer: Any, pre_step: bool) -> tuple:
         """(||g||^2 of this rank's part of each gradient, unscaled, on its device; 1.0 where a gradient
@@ -5574,9 +5578,8 @@ class TrainingTelemetry:
             c.add("grads_never_zeroed", self._gradients.never_zeroed, layout, self.step)
             # Sharded gradients (FSDP, DeepSpeed) are made afresh by the reduction at the last micro-batch, whatever
             # came before it: their version counters say nothing of the accumulation.
-            micro_batches = self._schedule.micro_batches()
-            if micro_batches > 1 and self._ranks.kind in ("none", "ddp"):
-                c.add("accumulation", self._gradients.accumulation, layout, micro_batches)
+            if self._ranks.kind in ("none", "ddp"):
+                c.add("accumulation", self._gradients.accumulation, layout, self._schedule.micro_batches())
         if cfg.track_lora:
             c.add("lora", self._lora.section, model, layout, self._reference, ranks, self.step)
         keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)
