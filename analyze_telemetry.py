@@ -1185,9 +1185,9 @@ def _zeroed_every_few_steps(run: Run) -> list:
     """The optimizer steps at every batch, but zero_grad() runs only every few steps: the passes of backward()
     the gradients hold when read (telemetry's accumulation section, which a step of one batch has only where
     its gradients were changed in place) climb from step to step and fall back, again and again, and the
-    gradients' norm climbs with them. Each step re-applies the gradients of the steps since the last zero_grad(): gradient
-    accumulation with step() inside the loop over micro-batches. A constant count (clipping, a loss of two
-    backward() passes) is the loop's own, and says nothing."""
+    gradients' norm climbs with them. Each step re-applies the gradients of the steps since the last
+    zero_grad(): gradient accumulation with step() inside the loop over micro-batches. A constant count
+    (clipping, a loss of two backward() passes) is the loop's own, and says nothing."""
     if not any(isinstance(r.get("accumulation"), dict) and r["accumulation"].get("micro_batches") == 1
                for r in run.records):
         return []   # without a record that has one, a step's absent count is not known to be 1
@@ -1592,6 +1592,41 @@ def _binary_loss_floors(run: Run, share: float, least: float) -> tuple:
     keep = np.isfinite(loss) & np.isfinite(s1)
     s1 = s1[keep]
     return loss[keep], s1 * least + (1 - s1) * math.log(2), float(np.mean(s1)) if len(s1) else share
+
+
+def check_softmax_over_batch(run: Run) -> list:
+    """A classifier's (log-)softmax taken over the batch (dim=0) instead of the classes: an untrained model's
+    logits are about equal, so its first train loss is the log of the batch size B where a loss over the K
+    classes starts at log K, and the holdout's, scored over the classes from the same weights, does. Trained,
+    that loss cannot fall below about log(B/K) (the batch's examples of a class share its column), so it
+    stays over twice the holdout's while the holdout learns. The first train loss within 5% of log B, and 15%
+    or more from log K with B and K apart, and the holdout's first loss within 15% of log K."""
+    untrained, _ = _chance_losses(run)
+    h = holdout_data(run)
+    first = run.records[0] if run.records else {}
+    size, loss0 = _get(first, ("batch_stats", "batch_size")), first.get("loss")
+    if untrained is None or not (_has_type(size, int) and size >= 2 and _has_type(loss0, (int, float))):
+        return []
+    batch = math.log(size)
+    pairs = _paired_losses(run, h)
+    late_acc = _late(h, h.accuracy)
+    if not (abs(batch - untrained) > 0.25 and abs(loss0 - batch) <= 0.05 * batch and abs(loss0 - untrained)
+            >= 0.15 * untrained and len(pairs) >= 5 and abs(pairs[0, 1] - untrained) <= 0.15 * untrained
+            and late_acc is not None and late_acc[0] >= 2 / h.num_classes):
+        return []
+    tail = pairs[-max(2, len(pairs) // 5):]
+    train_late, holdout_late = float(np.median(tail[:, 0])), float(np.median(tail[:, 1]))
+    if not train_late >= 2 * holdout_late:
+        return []
+    return [Finding(
+        "softmax_over_batch", "warning",
+        f"the train loss is normalised over the batch, not over the classes: it started at {_fmt(loss0)}, the log "
+        f"of the batch size {size} ({_fmt(batch)}), where a loss over the {h.num_classes} classes starts at "
+        f"{_fmt(untrained)}, as the holdout's did ({_fmt(pairs[0, 1])}); and it ends at {_fmt(train_late)}, "
+        f"{train_late / holdout_late:.1f}x the holdout's {_fmt(holdout_late)} at the same weights.",
+        _steps_list([int(first["step"])] if _has_type(first.get("step"), int) else []),
+        hint="softmax or log_softmax with dim=0 over [batch, classes] outputs: use dim=-1 (or dim=1), or give "
+             "CrossEntropyLoss the logits, which it normalises over the classes itself.")]
 
 
 def check_probability_outputs(run: Run) -> list:
@@ -4154,7 +4189,8 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
           check_low_precision_updates,
           check_lr_schedule_restarted, check_dropout_too_high,
-          check_ignored_group_key, check_probability_outputs, check_lora, check_frozen_groups, check_eval_mode,
+          check_ignored_group_key, check_softmax_over_batch, check_probability_outputs, check_lora,
+          check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_future_visible,
           check_labels_not_shifted,
           check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
@@ -4184,7 +4220,8 @@ STAGES = (
      "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates",
      "lr_schedule_restarted", "dropout_too_high",
      "batchnorm_small_batches",
-     "ignored_group_key", "probability_outputs", "unscaled_inputs", "unscaled_targets", "eval_mode", "negative_loss",
+     "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "unscaled_targets",
+     "eval_mode", "negative_loss",
      "constant_inputs", "future_visible", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output",
      "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
@@ -4271,6 +4308,8 @@ FINDINGS = {
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
                           "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
+    "softmax_over_batch": (("warning",), "analyzer", "the train loss starts at the log of the batch size, not of "
+                           "the classes, and stays far above the holdout's: its softmax runs over the batch (dim=0)"),
     "probability_outputs": (("warning",), "analyzer", "the model's outputs are probabilities, and the train loss "
                             "stays at the floor CrossEntropyLoss or BCEWithLogitsLoss has on them: a softmax or "
                             "sigmoid before a loss that applies its own"),
@@ -4408,6 +4447,8 @@ CONSEQUENCES = {
     "lr_schedule_restarted": ("loss_stalled", "loss_oscillating"),
     # a loss capped above 0 reads as one that stopped falling; squashed gradients reach the first layers faintly
     "probability_outputs": ("loss_stalled", "not_learning", "vanishing_gradients"),
+    # a loss that cannot reach the labels' level: it stalls high, and reads as a gap to the holdout
+    "softmax_over_batch": ("loss_stalled", "not_learning", "vanishing_gradients", "dropout_too_high"),
     # train batches drawn from other label shares than the holdout's: its loss gets worse as the model
     # learns the train shares
     "class_imbalance": ("holdout_at_chance", "overfitting", "forgetting", "class_never_predicted"),

@@ -1630,6 +1630,27 @@ def loader_epochs(out, model, opt, epochs, batch=32, every=5, loss_fn=F.cross_en
     return x[1100:], y[1100:]
 
 
+def test_a_log_softmax_over_the_batch_is_named(tmp_path):
+    """The digits MLP trained by Adam on F.nll_loss(F.log_softmax(logits, dim=0)): the softmax runs over the
+    32 examples of the batch, not the 10 classes. The first train loss is log 32, not log 10, and the loss
+    stays near log(32 / 10) while the holdout learns; on 697 fresh digits the model reads 3 or more points below
+    the same loop with dim=1, and nothing was said. It is named; the loop with dim=1 stays quiet."""
+    fresh = {}
+    for dim in (0, 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        x, y = loader_epochs(tmp_path / str(dim), model, torch.optim.Adam(model.parameters(), lr=1e-3), 10,
+                             loss_fn=lambda out, labels, d=dim: F.nll_loss(F.log_softmax(out, dim=d), labels))
+        with torch.no_grad():
+            fresh[dim] = float((model(x).argmax(1) == y).float().mean())
+    assert fresh[0] < fresh[1] - 0.03, fresh
+    run, found = codes(tmp_path / "0")
+    assert at.diagnose(run)[0].code == "softmax_over_batch", found
+    assert f"the log of the batch size 32 ({at._fmt(math.log(32))})" in found["softmax_over_batch"].message
+    run, found = codes(tmp_path / "1")
+    assert not loud(found)
+
+
 def test_a_softmax_before_cross_entropy_is_named_while_it_still_learns(tmp_path):
     """A digits MLP ending in nn.Softmax, trained with CrossEntropyLoss (pixels of 0-1, Adam at 1e-3, 10 epochs
     of 32-example batches): the loss's own softmax squashes the gradients, and on fresh digits its log-loss is
