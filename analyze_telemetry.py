@@ -3731,6 +3731,43 @@ def check_unscaled_inputs(run: Run) -> list:
              "Normalize). Lowering the learning rate only slows the damage.")]
 
 
+def check_outputs_off_scale(run: Run) -> list:
+    """A classifier whose outputs start far off the scale of logits, on inputs of an ordinary scale: its train
+    loss over the first tenth of the run, and the holdout's at its first evaluation, over UNSCALED_START times
+    log K, the loss of a model that knows nothing, where a network initialised as torch's layers are starts
+    near it. The model scales its signal up before it has learned anything: weights initialised far too large
+    (std 1 on wide layers), a residual added twice, a missing normalisation. Inputs off scale are
+    unscaled_inputs' to name."""
+    untrained = _chance_losses(run)[0]
+    h = holdout_data(run)
+    rms_in = _input_rms(run)
+    if untrained is None or (rms_in is not None and rms_in[0] > UNSCALED_RMS):
+        return []
+    first = _edge_median(column(run, "loss"), "first", 0.1)
+    pairs = _paired_losses(run, h)
+    if not (len(pairs) >= 3 and first > UNSCALED_START * untrained and pairs[0, 1] > UNSCALED_START * untrained):
+        return []
+    logits = next((holdout_logits_of(r["holdout_logits"]) for r in run.records
+                   if isinstance(r.get("holdout_logits"), dict) and r.get("step") == pairs[0, 2]), None)
+    try:
+        values = _finite(np.array(logits, dtype=float).ravel()) if logits else np.array([])
+    except (TypeError, ValueError):  # ragged or not numbers: the losses say enough
+        values = np.array([])
+    scale = (f"; its first holdout logits have a root mean square of {_fmt(float(np.sqrt(np.mean(values ** 2))))}"
+             if len(values) else "")
+    inputs = f", on inputs of root mean square {_fmt(rms_in[0])}" if rms_in is not None else ""
+    return [Finding(
+        "outputs_off_scale", "warning",
+        f"the model's outputs start far off the scale of logits{inputs}: the train loss over the first tenth of the "
+        f"run is {_fmt(first)} and the holdout's at its first evaluation {_fmt(pairs[0, 1])}, "
+        f"{_fmt(first / untrained)}x the {_fmt(untrained)} of a model that knows nothing, where a network "
+        f"initialised as torch's layers are starts near it{scale}.", _steps_list([int(pairs[0, 2])]),
+        hint="Something scales the signal up before any training: weights initialised too large (nn.init.normal_ "
+             "with std 1 on wide layers; torch's default init keeps each layer's outputs near its inputs' scale), "
+             "a residual or skip connection added twice, a missing normalisation layer, logits multiplied by a "
+             "temperature. Fix the init or the layer, or start the last layer's weights near 0.")]
+
+
 def check_unscaled_targets(run: Run) -> list:
     """A regression's targets far from standardised ones (the holdout's, which telemetry records), in a run
     that blows up, stalls or ends no better than predicting their mean: a network's outputs start near 0, so
@@ -4196,7 +4233,8 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
           check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
-          check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_unscaled_targets,
+          check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_outputs_off_scale,
+          check_unscaled_targets,
           check_batchnorm_small_batches,
           check_class_imbalance, check_class_never_predicted, check_nonfinite, check_loss_diverging,
           check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
@@ -4220,7 +4258,8 @@ STAGES = (
      "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates",
      "lr_schedule_restarted", "dropout_too_high",
      "batchnorm_small_batches",
-     "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "unscaled_targets",
+     "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "outputs_off_scale",
+     "unscaled_targets",
      "eval_mode", "negative_loss",
      "constant_inputs", "future_visible", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output",
      "gradient_cut",
@@ -4308,6 +4347,9 @@ FINDINGS = {
     "weights_collapsed": (("critical",), "analyzer", "the weights shrink toward 0 while the train loss learns "
                           "nothing: weight decay (or an L2 penalty) outweighs the loss's gradient"),
     "not_learning": (("critical",), "analyzer", "the weights barely move, or not at all"),
+    "outputs_off_scale": (("warning",), "analyzer", "a classifier's first losses, train and holdout, are many times "
+                          "an untrained model's on inputs of an ordinary scale: an init or a layer scales its "
+                          "outputs up"),
     "softmax_over_batch": (("warning",), "analyzer", "the train loss starts at the log of the batch size, not of "
                            "the classes, and stays far above the holdout's: its softmax runs over the batch (dim=0)"),
     "probability_outputs": (("warning",), "analyzer", "the model's outputs are probabilities, and the train loss "
@@ -4435,6 +4477,7 @@ CONSEQUENCES = {
     # a model whose units died or that blew up neglects the rare classes as it neglects everything else
     "unscaled_inputs": _OFF_SCALE + ("class_imbalance",),
     "unscaled_targets": _OFF_SCALE,
+    "outputs_off_scale": _OFF_SCALE + ("class_imbalance",),
     "lr_collapsed": _UNTRAINED_PART + ("not_learning",),
     "lr_below_base": _UNTRAINED_PART + ("not_learning",),
     # most weights never move: the loss falls slowly, on what the smallest weights can do
