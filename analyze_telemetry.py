@@ -1490,12 +1490,15 @@ def check_lr_schedule_restarted(run: Run) -> list:
 # train loss (with dropout) this many times the holdout's (without) over the run's end is held back by it.
 DROPOUT_HIGH = 0.8
 DROPOUT_HELD_BACK = 1.5
+DROPOUT_UNTRAINED = 0.7  # ... or the train loss at this share of log K or more, while the holdout is mostly right
 
 
 def check_dropout_too_high(run: Run) -> list:
     """Dropout layers that drop DROPOUT_HIGH or more of their inputs (run.json's dropout), while the train loss
     over the last fifth of the run is DROPOUT_HELD_BACK times the holdout's over its last quarter: the holdout
-    is scored in eval mode, without the dropout, and the gap is what the dropout costs the training."""
+    is scored in eval mode, without the dropout, and the gap is what the dropout costs the training. Or, for a
+    classifier, while that train loss is still DROPOUT_UNTRAINED of an untrained model's or more and the
+    holdout is mostly right (half or more)."""
     heavy = {name: p for name, p in (run.meta.get("dropout") or {}).items()
              if _has_type(p, (int, float)) and p >= DROPOUT_HIGH} if isinstance(run.meta.get("dropout"), dict) else {}
     h, t = holdout_data(run), _loss_trend(run)
@@ -1505,15 +1508,21 @@ def check_dropout_too_high(run: Run) -> list:
     untrained, _ = _chance_losses(run)
     if untrained is not None and _train_loss_on_another_scale(run, untrained):
         return []
-    if t.last < DROPOUT_HELD_BACK * late[0]:
+    # a train loss still near an untrained model's while the holdout, scored without dropout, is mostly right:
+    # the gap to the holdout's loss may be small where that loss is high too (a model unsure on whole inputs)
+    acc = _late(h, h.accuracy) if h.kind == "classification" else None
+    stalled = untrained is not None and acc is not None and t.last >= DROPOUT_UNTRAINED * untrained and acc[0] >= 0.5
+    if t.last < DROPOUT_HELD_BACK * late[0] and not stalled:
         return []
     names = sorted(heavy, key=lambda n: -heavy[n])
     listed = ", ".join(f"{n} (p={heavy[n]:g})" for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    gap = (f"{_fmt(t.last)}, {t.last / untrained:.2g}x the {_fmt(untrained)} of a model that knows nothing, while "
+           f"the holdout, scored without dropout, gets {acc[0]:.0%} right" if stalled else
+           f"{_fmt(t.last)}, {t.last / late[0]:.2g}x the holdout's {_fmt(late[0])}, which is scored without dropout")
     return [Finding(
         "dropout_too_high", "warning",
         f"{len(heavy)} dropout layer(s) drop {min(heavy.values()):.0%} or more of their inputs while training: "
-        f"{listed}. The train loss over the last fifth of the run is {_fmt(t.last)}, {t.last / late[0]:.2g}x the "
-        f"holdout's {_fmt(late[0])}, which is scored without dropout: the dropout holds the training back.",
+        f"{listed}. The train loss over the last fifth of the run is {gap}: the dropout holds the training back.",
         _steps_list(t.where),
         hint="nn.Dropout(p) takes the share to drop, not the share to keep (TensorFlow's keep_prob): p=0.1 keeps "
              "90%. Lower p; 0.1-0.5 is usual.")]

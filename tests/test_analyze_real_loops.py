@@ -1877,19 +1877,23 @@ def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     """A digits MLP with nn.Dropout(0.9) after its hidden layer, as TensorFlow's keep_prob=0.9 is written by
     mistake: it drops nine inputs in ten while training, and on fresh digits trails the same MLP at p=0.1. The
     analyzer said nothing. run.json now lists dropout layers of p 0.5 or more, and a p of 0.8 or more while the
-    train loss stays 1.5x the holdout's (scored without dropout) is named. p=0.1 and p=0.5 stay quiet."""
+    train loss stays 1.5x the holdout's (scored without dropout) is named. p=0.1 and p=0.5 stay quiet.
+    Dropout(0.9) on the input pixels is named too: its train loss stays near an untrained model's, while the
+    holdout's, high as well (a model unsure of whole digits), is not 1.5x below it."""
     x, y = digit_pixels()
 
-    def train(out, p):
+    def train(out, p, where=2):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(p), nn.Linear(128, 10))
+        layers = [nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)]
+        model = nn.Sequential(*layers[:where], nn.Dropout(p), *layers[where:])
         digit_epochs(out, model, torch.optim.Adam(model.parameters(), lr=2e-3), x, y, 8)
         model.eval()
         with torch.no_grad():
             return F.cross_entropy(model(x[1000:]), y[1000:]).item()
 
     fresh = {p: train(tmp_path / str(p), p) for p in (0.1, 0.5, 0.9)}
-    assert fresh[0.9] > 1.5 * fresh[0.1], fresh
+    fresh["input"] = train(tmp_path / "input", 0.9, where=0)
+    assert fresh[0.9] > 1.5 * fresh[0.1] and fresh["input"] > 1.5 * fresh[0.1], fresh
     for p in (0.1, 0.5):
         run, found = codes(tmp_path / str(p))
         assert run.meta.get("dropout") == ({"2": 0.5} if p == 0.5 else None)
@@ -1898,6 +1902,10 @@ def test_dropout_that_drops_nine_tenths_is_named(tmp_path):
     assert run.meta["dropout"] == {"2": pytest.approx(0.9)}
     top = at.diagnose(run)[0]
     assert top.code == "dropout_too_high" and "keep_prob" in top.hint, found
+    run, found = codes(tmp_path / "input")
+    assert run.meta["dropout"] == {"0": pytest.approx(0.9)}
+    assert at.diagnose(run)[0].code == "dropout_too_high" and "a model that knows nothing" in found[
+        "dropout_too_high"].message, found
 
 
 def test_a_loss_with_its_sign_flipped_is_told_to_check_the_sign(tmp_path):
