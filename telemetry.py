@@ -4761,6 +4761,7 @@ class _Holdout:
         self.output: Any = None
         self.regression = False
         self.graded = False  # integer labels other than 0/1: one output per example is then a regression
+        self.label_range: Optional[tuple] = None  # (least, greatest) integer label of a classification holdout
         self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
         self.sees_future: Optional[bool] = None  # see future_probe; None until probed
         self.token_input: Any = None  # see token_input
@@ -4804,6 +4805,12 @@ class _Holdout:
         # class indices under MSE), which a binary reading would score with BCE against targets of 2 and more.
         self.graded = any(not t.is_floating_point() and t.dim() <= 1 and not _zero_one(t.detach().cpu())
                           for t in found)
+        # the class indices' range, checked against the model's outputs before scoring: an index past them is an
+        # IndexError on the CPU, and on a GPU a device-side assert that ends the process's CUDA context
+        kept = [t.detach().cpu().reshape(-1) for t in found if not t.is_floating_point() and t.dim() <= 1]
+        kept = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
+        kept = kept[kept != IGNORE_INDEX]
+        self.label_range = (int(kept.min()), int(kept.max())) if len(kept) else None
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)
         # a language model's holdout, its labels shifted by the model or already: whether it sees ahead is probed
         # on the input they are the tokens of
@@ -5037,6 +5044,13 @@ class _Holdout:
         outputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(p[1].shape[0], -1) for p in parts])
         if self.regression or (self.graded and (outputs.dim() == 1 or outputs.shape[-1] == 1)):
             return regression_holdout(outputs, targets)
+        if self.label_range is not None and outputs.dim() == 2 and outputs.shape[-1] > 1:
+            low, high = self.label_range
+            if low < 0 or high >= outputs.shape[-1]:
+                raise ValueError(f"the holdout's class labels run from {low} to {high}, but the model gives "
+                                 f"{outputs.shape[-1]} outputs per example (classes 0 to {outputs.shape[-1] - 1}): "
+                                 "its last layer has too few outputs, or the labels are not numbered from 0 "
+                                 "(pass labels= that maps them to the model's classes)")
         so_far = self.probabilities if self.probabilities is not None else torch.ones((), dtype=torch.bool,
                                                                                         device=outputs.device)
         out = classification_holdout(outputs, targets.reshape(-1), so_far)

@@ -162,6 +162,42 @@ def test_a_model_that_cannot_take_the_holdout_batch_names_forward(tmp_path):
     tel.set_holdout_data({"pixels": x[:50], "labels": y[:50]}, forward=lambda m, b: m(b["pixels"]))  # accepted
 
 
+def test_holdout_labels_past_the_models_outputs_are_named_before_scoring(tmp_path):
+    """A classifier given 9 outputs for the digits' 10 classes (its training labels 9 merged into 8), with a
+    holdout that still has class 9: cross_entropy would raise an IndexError on the CPU and, on a GPU, trip a
+    device-side assert that ends the process's CUDA context, training included. The labels' range is checked
+    against the outputs first: an error naming both (raised under strict, else recorded and warned about once),
+    and the same model with labels numbered from 1 is named alike. A model of 10 outputs is scored."""
+    x, y = digits()
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    strict = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "strict"), collect_every_n=1, strict=True))
+    strict.set_holdout_data((x[:50], y[:50]))
+    train_steps(model, optimizer, x, y.clamp(max=8), steps=1)
+    with pytest.raises(ValueError, match=r"labels run from 0 to 9, but the model gives 9 outputs per example"):
+        strict.on_batch_end(model, optimizer, 0, 0)
+    strict.close()
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "run"), collect_every_n=1))
+    tel.set_holdout_data((x[:50], y[:50] + 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            train_steps(model, optimizer, x, y.clamp(max=8), steps=1)
+            rec = tel.on_batch_end(model, optimizer, i, 0)
+    tel.close()
+    assert "labels run from 1 to 10" in rec["errors"]["holdout_logits"] and "holdout_logits" not in rec
+    assert len([w for w in caught if "holdout_logits" in str(w.message)]) == 1
+    wide = mlp()
+    optimizer = torch.optim.SGD(wide.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "wide"), collect_every_n=1, strict=True))
+    tel.set_holdout_data((x[:50], y[:50]))
+    train_steps(wide, optimizer, x, y, steps=1)
+    with torch.no_grad():
+        want = float((wide(x[:50]).argmax(1) == y[:50]).float().mean())
+    assert tel.on_batch_end(wide, optimizer, 0, 0)["holdout_logits"]["accuracy"] == pytest.approx(want)
+    tel.close()
+
+
 class BagOfTokens(nn.Module):
     """A text classifier with an HF model's call: model(input_ids=..., attention_mask=...)."""
 
