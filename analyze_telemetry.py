@@ -2112,6 +2112,37 @@ def check_labels_not_shifted(run: Run) -> list:
              "shifted right (a start token, then targets[:, :-1]).")]
 
 
+def check_labels_shifted_twice(run: Run) -> list:
+    """A language model that predicts the token after the next one: trained on labels shifted already and
+    handed to a model that shifts them again (labels=input_ids[:, 1:] for a Hugging Face causal LM), each
+    position learns the token two places on. Where the holdout's labels are the tokens of its text, telemetry
+    records the share of positions whose top prediction is the token after the one scored (ahead_accuracy);
+    a model trained right gets the next token more often than the one after it, by far. Over the last quarter
+    of the evaluations it is above the next-token accuracy by 3 binomial sigmas of the positions counted and
+    by 3 points or more."""
+    h = holdout_data(run)
+    if not h or h.kind != "lm":
+        return []
+    ahead = np.array([_num(r.get("ahead_accuracy")) for r in h.raw])
+    tokens = h.raw[-1].get("tokens") if h.raw else None
+    counted = sum(v for v in tokens if _has_type(v, int)) if isinstance(tokens, list) else 0
+    late_ahead, late_next = _late(h, ahead), _late(h, h.accuracy)
+    if late_ahead is None or late_next is None or counted < 50:
+        return []
+    gap = late_ahead[0] - late_next[0]
+    if gap < 0.03 or gap < 3 * math.sqrt(max(late_ahead[0] * (1 - late_ahead[0]), 1e-9) / counted):
+        return []
+    return [Finding(
+        "labels_shifted_twice", "critical",
+        f"the model predicts the token after the next one: over the holdout's last evaluations (steps "
+        f"{late_ahead[1]}-{late_ahead[2]}) its top prediction is that token at {late_ahead[0]:.0%} of the positions, "
+        f"and the next token, which it is scored on, at {late_next[0]:.0%} of {counted}. The labels were shifted "
+        "twice: shifted already, then by a model or loss that shifts them again.",
+        _steps_list([late_ahead[1], late_ahead[2]]),
+        hint="A Hugging Face causal LM shifts its labels itself: pass labels=input_ids (the same tensor), not "
+             "input_ids[:, 1:]; in a loss of your own, score logits[:, :-1] against labels[:, 1:] once.")]
+
+
 PINNED = 0.9   # the share of collections at one gradient norm that says clipping acts at every step
 
 
@@ -4238,7 +4269,7 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_ignored_group_key, check_softmax_over_batch, check_probability_outputs, check_lora,
           check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_future_visible,
-          check_labels_not_shifted,
+          check_labels_not_shifted, check_labels_shifted_twice,
           check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
           check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
@@ -4270,8 +4301,8 @@ STAGES = (
      "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "outputs_off_scale",
      "unscaled_targets",
      "eval_mode", "negative_loss",
-     "constant_inputs", "future_visible", "labels_not_shifted", "gradients_clipped", "integer_targets", "dead_output",
-     "gradient_cut",
+     "constant_inputs", "future_visible", "labels_not_shifted", "labels_shifted_twice", "gradients_clipped",
+     "integer_targets", "dead_output", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "holdout_positions_untrained", "class_imbalance", "class_never_predicted", "holdout_below_chance"),
@@ -4336,6 +4367,8 @@ FINDINGS = {
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),
+    "labels_shifted_twice": (("critical",), "analyzer", "a language model predicts the token after the next one: "
+                             "its labels were shifted already and shifted again by the model or the loss"),
     "constant_inputs": (("critical",), "analyzer", "every batch's inputs hold one value (all zeros, say): the model "
                         "cannot tell the examples apart"),
     "gradients_clipped": (("warning",), "analyzer", "every step's gradients are clipped to one small norm and the "
@@ -4455,6 +4488,8 @@ CONSEQUENCES = {
     "negative_loss": _AFTER_A_BLOWUP + ("holdout_at_chance", "overfitting", "forgetting"),
     # a model that copies its input fits its train loss, and its next-token holdout gets worse as it does
     "labels_not_shifted": ("overfitting", "forgetting", "holdout_at_chance", "loss_diverging"),
+    # trained for another token than the one scored: the holdout is near chance, or grows worse
+    "labels_shifted_twice": ("overfitting", "forgetting", "holdout_at_chance", "loss_stalled", "not_learning"),
     # a model that reads the answer: a train loss near 0, and a holdout that says nothing of generation
     "future_visible": ("overfitting", "forgetting", "holdout_at_chance", "train_loss_near_zero", "loss_diverging"),
     # inputs that carry nothing: only the label shares can be learned, and units sit wherever their biases put them

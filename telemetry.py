@@ -489,7 +489,8 @@ def _probability_bce(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
-                           token_ids: Optional[List[int]] = None, shift: bool = True) -> Dict[str, Any]:
+                           token_ids: Optional[List[int]] = None, shift: bool = True,
+                           ahead: bool = False) -> Dict[str, Any]:
     """Per-example mean token NLL and top-1 token accuracy for per-token logits [N, T, V].
 
     With `shift`, labels are the inputs' own tokens, which an HF causal LM shifts itself: position t
@@ -500,7 +501,10 @@ def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
     masked prompt; the last position if none is supervised).
     With `shift`, `copy_accuracy` is the share of those positions whose top prediction is the token at the
     position itself: a model trained on labels that were never shifted learns to copy its input, and
-    scores near 1 there while its next-token accuracy is low.
+    scores near 1 there while its next-token accuracy is low. With `ahead` (labels that are the tokens of a
+    text), `ahead_accuracy` is the share of positions whose top prediction is the token after the one scored:
+    a model trained on labels shifted twice (shifted already, then by a model that shifts them again) learns
+    that token, and scores better there than on the one it is scored on.
     """
     logits, target = logits.detach(), labels.detach().to(logits.device)
     here = None
@@ -520,6 +524,9 @@ def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
            "accuracy": correct.sum() / all_tokens, "tokens": tokens}
     if here is not None:
         out["copy_accuracy"] = ((predicted == here) & valid).sum() / all_tokens
+    if ahead:
+        after = valid[:, :-1] & valid[:, 1:]
+        out["ahead_accuracy"] = ((predicted[:, :-1] == target[:, 1:]) & after).sum() / after.sum().clamp(min=1)
     if token_ids:
         first = torch.where(valid.any(1), valid.int().argmax(1), valid.shape[1] - 1)  # argmax: first max
         rows = logits[torch.arange(logits.shape[0], device=logits.device), first]
@@ -539,7 +546,7 @@ def merge_lm_holdout(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     tokens = torch.stack([p["tokens"].sum() for p in parts]).float()
     total = tokens.sum().clamp(min=1)
     out["loss"] = (torch.stack([p["loss"] for p in parts]) * tokens).sum() / total
-    for key in ("accuracy", "copy_accuracy"):
+    for key in ("accuracy", "copy_accuracy", "ahead_accuracy"):
         if key in out:
             out[key] = (torch.stack([p[key].float() for p in parts]) * tokens).sum() / total
     return out
@@ -5022,7 +5029,8 @@ class _Holdout:
             if logits.dim() == 3 and not self.regression:  # reduce each batch at once: [batch, seq, vocab] is large
                 if self.token_input is not None and self.sees_future is None and not ranks.lockstep and not probe:
                     probe.append((batch, logits))  # probed below, once the activations are no longer watched
-                return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift)
+                return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift,
+                                              ahead=self.token_input is not None)
             return logits, labels
 
         watch = _ActivationWatch(model) if self.config.track_activations and not ranks.lockstep else None

@@ -1811,6 +1811,64 @@ def test_a_seq2seq_decoder_fed_its_targets_unshifted_is_named(tmp_path):
     assert not loud(found)
 
 
+def python_chars() -> tuple:
+    """(character ids, the characters) of the source of Python's argparse and os modules."""
+    import argparse
+    import os
+
+    text = "".join(open(m.__file__, encoding="utf-8").read() for m in (argparse, os))
+    chars = sorted(set(text))
+    return torch.tensor([chars.index(c) for c in text]), chars
+
+
+def char_windows(data: torch.Tensor, start: int, end: int, n: int, gen: torch.Generator) -> tuple:
+    """n windows of 32 characters from data[start:end], and the next character of each position."""
+    at = torch.randint(start, end - 33, (n,), generator=gen)
+    return torch.stack([data[i:i + 32] for i in at]), torch.stack([data[i + 1:i + 33] for i in at])
+
+
+class CharTransformer(nn.Module):
+    """A two-layer transformer over 32 characters, with its causal mask or without."""
+
+    def __init__(self, vocab, causal=True):
+        super().__init__()
+        self.causal, self.tok, self.pos = causal, nn.Embedding(vocab, 64), nn.Embedding(32, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, vocab)
+
+    def forward(self, x, causal=None):
+        causal = self.causal if causal is None else causal
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1]) if causal else None
+        return self.head(self.body(self.tok(x) + self.pos(torch.arange(x.shape[1])), mask=mask, is_causal=causal))
+
+
+def train_chars(out, model, data, cut, loss_fn, steps=150) -> None:
+    """`steps` of AdamW (3e-3) on batches of 32 windows of data[:cut], the real TrainingTelemetry collecting
+    every 5 into `out`, with 50 windows after the cut as its holdout (their next characters as labels)."""
+    from telemetry import TrainingTelemetry
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
+    tel.set_holdout_data(char_windows(data, cut, len(data), 50, torch.Generator().manual_seed(99)))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        x, y = char_windows(data, 0, cut, 32, gen)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, 0, batch=(x, y), loss=loss)
+        opt.zero_grad()
+    tel.close()
+
+
+def fresh_char_loss(model, data, cut, **kw) -> float:
+    """The model's next-character cross-entropy on 200 fresh windows after the cut."""
+    with torch.no_grad():
+        x, y = char_windows(data, cut, len(data), 200, torch.Generator().manual_seed(7))
+        return float(F.cross_entropy(model(x, **kw).reshape(-1, model.head.out_features), y.reshape(-1)))
+
+
 def test_a_transformer_lm_without_its_causal_mask_is_named(tmp_path):
     """A character transformer LM on Python's own source, its holdout (windows, next characters) shifted
     already. Without the causal mask each position attends to the next character and reads it: its holdout
@@ -1818,51 +1876,15 @@ def test_a_transformer_lm_without_its_causal_mask_is_named(tmp_path):
     than the same model trained with the mask. The analyzer said nothing. Telemetry now changes the last input
     token of the holdout's first batch once and sees the predictions before it change, and future_visible
     names it; with the mask, nothing changes and nothing is said."""
-    import argparse
-    import os
-    from telemetry import TrainingTelemetry
-
-    text = "".join(open(m.__file__, encoding="utf-8").read() for m in (argparse, os))
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text])
+    data, chars = python_chars()
     cut = int(len(data) * 0.9)
-
-    def windows(start, end, n, gen):
-        at = torch.randint(start, end - 33, (n,), generator=gen)
-        return torch.stack([data[i:i + 32] for i in at]), torch.stack([data[i + 1:i + 33] for i in at])
-
-    class Tiny(nn.Module):
-        def __init__(self, causal):
-            super().__init__()
-            self.causal, self.tok, self.pos = causal, nn.Embedding(len(chars), 64), nn.Embedding(32, 64)
-            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True, norm_first=True)
-            self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-            self.head = nn.Linear(64, len(chars))
-
-        def forward(self, x, causal=None):
-            causal = self.causal if causal is None else causal
-            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1]) if causal else None
-            return self.head(self.body(self.tok(x) + self.pos(torch.arange(x.shape[1])), mask=mask, is_causal=causal))
-
     fresh = {}
     for causal in (False, True):
         torch.manual_seed(0)
-        model = Tiny(causal)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        tel = TrainingTelemetry(output_dir=str(tmp_path / str(causal)), collect_every_n=5)
-        tel.set_holdout_data(windows(cut, len(data), 50, torch.Generator().manual_seed(99)))
-        gen = torch.Generator().manual_seed(0)
-        for i in range(150):
-            x, y = windows(0, cut, 32, gen)
-            loss = F.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, 0, batch=(x, y), loss=loss)
-            opt.zero_grad()
-        tel.close()
-        with torch.no_grad():
-            x, y = windows(cut, len(data), 200, torch.Generator().manual_seed(7))
-            fresh[causal] = float(F.cross_entropy(model(x, causal=True).reshape(-1, len(chars)), y.reshape(-1)))
+        model = CharTransformer(len(chars), causal)
+        train_chars(tmp_path / str(causal), model, data, cut,
+                    lambda out, y: F.cross_entropy(out.reshape(-1, len(chars)), y.reshape(-1)))
+        fresh[causal] = fresh_char_loss(model, data, cut, causal=True)
     assert fresh[False] > fresh[True] + 0.3, fresh
     run, found = codes(tmp_path / "False")
     assert [r["holdout_logits"].get("sees_future") for r in run.records][-1] is True
@@ -1870,6 +1892,37 @@ def test_a_transformer_lm_without_its_causal_mask_is_named(tmp_path):
     assert top.code == "future_visible" and "causal" in top.hint, found
     run, found = codes(tmp_path / "True")
     assert run.records[-1]["holdout_logits"]["sees_future"] is False
+    assert not loud(found)
+
+
+def test_an_lm_trained_on_labels_shifted_twice_is_named(tmp_path):
+    """The causal character transformer whose loss shifts its labels again: the batches' labels are the next
+    characters already, and the loss scores logits[:, :-1] against labels[:, 1:], so each position learns the
+    character after the next one. Scored on the next character, as the holdout's labels say, it is far worse
+    on fresh text than the model whose loss takes them as they are, and the analyzer said nothing. Telemetry
+    records how often the holdout's top prediction is the character after the one scored (checked here against
+    the model's own predictions), and labels_shifted_twice names it; the loop that shifts once is quiet."""
+    data, chars = python_chars()
+    cut = int(len(data) * 0.9)
+    fresh = {}
+    for twice in (True, False):
+        torch.manual_seed(0)
+        model = CharTransformer(len(chars))
+        loss_fn = (lambda out, y: F.cross_entropy(out[:, :-1].reshape(-1, len(chars)), y[:, 1:].reshape(-1))) \
+            if twice else (lambda out, y: F.cross_entropy(out.reshape(-1, len(chars)), y.reshape(-1)))
+        train_chars(tmp_path / str(twice), model, data, cut, loss_fn, steps=296)  # its last step collects
+        fresh[twice] = fresh_char_loss(model, data, cut)
+        if twice:
+            x, y = char_windows(data, cut, len(data), 50, torch.Generator().manual_seed(99))
+            with torch.no_grad():
+                predicted = model(x).argmax(-1)
+            after = float((predicted[:, :-1] == y[:, 1:]).float().mean())
+    assert fresh[True] > fresh[False] + 0.3, fresh
+    run, found = codes(tmp_path / "True")
+    assert run.records[-1]["holdout_logits"]["ahead_accuracy"] == pytest.approx(after, abs=1e-6)
+    top = at.diagnose(run)[0]
+    assert top.code == "labels_shifted_twice" and "labels=input_ids" in top.hint, found
+    run, found = codes(tmp_path / "False")
     assert not loud(found)
 
 
