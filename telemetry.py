@@ -3678,7 +3678,9 @@ def _warn_about_gradients(record: Dict[str, Any], warn: _Warnings) -> None:
         return
     if norms.get("overall") is None:
         warn("no-grad", "telemetry: no gradients at collection time, recorded as null. "
-                        "Call on_batch_end after optimizer.step() and before zero_grad().")
+                        "Call on_batch_end after optimizer.step() and before zero_grad(); and call zero_grad() "
+                        "before backward() or after step(), never between them, where the optimizer steps on no "
+                        "gradient.")
     elif norms["overall"] == 0.0 and record.get("loss") != 0.0:  # a hinge or triplet loss at 0 passes none
         warn("zero-grad", "telemetry: every gradient is exactly 0: zero_grad() ran before on_batch_end (call it "
                           "before zero_grad()), or nothing passes gradient back (an output cut to 0 by a final "
