@@ -4425,8 +4425,9 @@ FINDINGS = {
                             "grows 10x, while the loss does not fall through it"),
     "grad_spike": (("info", "warning"), "telemetry", "alert: the gradient norm far outside its rolling noise band "
                    "(not while the loss falls through its own); a note where the whole run shows no blow-up"),
-    "grad_explosion": (("critical",), "telemetry", "alert: the gradient norm many times its rolling median (not "
-                       "while the loss falls through its own noise band)"),
+    "grad_explosion": (("info", "critical"), "telemetry", "alert: the gradient norm many times its rolling median "
+                       "(not while the loss falls through its own noise band); a note where it was raised once and "
+                       "the whole run shows no blow-up"),
     "loss_oscillating": (("warning",), "analyzer", "the loss swings up and down instead of falling"),
     "dead_units": (("info", "warning"), "analyzer", "ReLU units that never fire on the holdout"),
     "saturated_units": (("warning",), "analyzer", "tanh/sigmoid units stuck at their limits on the holdout"),
@@ -4629,8 +4630,10 @@ def diagnose(run: Run) -> list:
             for f in found:
                 if f.source == "telemetry" and _fold_alert(findings, f):
                     continue
-                if f.source == "telemetry" and f.code == "grad_spike":
-                    # Raised live, from a window of the run; seen whole, no gradient blow-up follows it
+                if f.source == "telemetry" and (f.code == "grad_spike" or f.code == "grad_explosion"
+                                                 and len(f.steps) == 1):
+                    # Raised live, from a window of the run; seen whole, no gradient blow-up follows it (an
+                    # explosion raised once: a collection's wobble on a plateau, gone at the next)
                     f.severity = "info"
                     f.message += " (over the whole run, no gradient blow-up: a lone spike)"
                 findings.append(f)
