@@ -2631,11 +2631,16 @@ def check_exploding_gradients(run: Run) -> list:
              "check for unnormalised inputs or a loss that can blow up.")]
 
 
+def _loss_converged(loss: np.ndarray) -> bool:
+    """Whether a train loss series ends (median of its last tenth) at a tenth of where it began or less: its
+    gradients shrink because there is little left to learn."""
+    loss = _finite(loss)
+    return len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
+
+
 def _shrinking_gradient(run: Run, t: Trend):
     growth = t.tail / t.head
-    loss = _finite(column(run, "loss")[segment_ids(run) == t.segment])
-    loss_converged = len(loss) >= 6 and abs(_edge_median(loss, "last")) <= 0.1 * abs(_edge_median(loss, "first"))
-    if growth > 1e-3 or loss_converged:
+    if growth > 1e-3 or _loss_converged(column(run, "loss")[segment_ids(run) == t.segment]):
         return None
     return Finding(
         "vanishing_gradients", "warning",
@@ -3010,6 +3015,22 @@ def _mean_variance(targets: np.ndarray) -> float:
     return float(np.var(targets, axis=0).mean())
 
 
+def _log_link_outputs(h: Holdout) -> bool:
+    """Whether a regression holdout's last outputs are the log of what its targets measure: every target is 0 or
+    more, and the outputs' exponentials fit them, with a squared error under LOG_LINK_FIT of the targets'
+    variance (what predicting their mean scores). A count model's log rates scored against the counts."""
+    targets, outputs = _last_targets(h), _last_columns(h, "predictions")
+    if len(targets) < 5 or targets.shape != outputs.shape or not (targets >= 0).all() \
+            or not np.isfinite(outputs).all():
+        return False
+    rates = np.exp(np.clip(outputs, -50, 50))
+    return float(np.mean((rates - targets) ** 2)) < LOG_LINK_FIT * _mean_variance(targets)
+
+
+# a log link's exponentials fit the targets: their squared error under this share of the targets' variance
+LOG_LINK_FIT = 0.8
+
+
 def _regression_at_chance(h: Holdout):
     """The holdout's mean squared error no better than always predicting the targets' mean: R^2 <= 0 within
     the noise of the per-example errors (2 standard errors), and the point estimate itself near 0 (R^2 at most
@@ -3082,6 +3103,12 @@ def check_holdout_at_chance(run: Run) -> list:
         return []
     found = _regression_at_chance(h) if h.kind == "regression" else _classification_at_chance(h)
     if found is None:
+        return []
+    if h.kind == "regression" and _log_link_outputs(h):
+        _notice(run, "the regression holdout's outputs are the log of its targets' scale: as they are, they score "
+                     "no better than the targets' mean, and their exponentials fit the targets (which are all 0 or "
+                     "more). A log link, as a model trained with PoissonNLLLoss(log_input=True) has, is not at "
+                     "chance: pass set_holdout_data(..., output=lambda out: out.exp()) to score the rates")
         return []
     why, where, below = found
     key = train_accuracy_key(run)
@@ -4076,7 +4103,7 @@ def check_integer_targets(run: Run) -> list:
         f"{_fmt(float(values[-1]))}), fitted as numbers by one output.", _steps_list(steps(run)[:1]),
         hint=f"If they name classes rather than measure an amount, a classifier fits them: {len(values)} outputs "
              "under CrossEntropyLoss, the labels as they are. A regression on class indices orders the classes and "
-             "scores between them. An ordinal target (a rating, a grade) is right as it is.")]
+             "scores between them. An ordinal target (a rating, a grade) or a count is right as it is.")]
 
 
 MAX_INTEGER_TARGETS = 20   # more whole-number values than this read as counts, not classes

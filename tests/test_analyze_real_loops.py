@@ -957,6 +957,60 @@ def diabetes(seed, features=(0, 1, 2, 3), fit=250):
     return torch.tensor(x), torch.tensor(y)
 
 
+def test_a_count_model_with_a_log_link_is_not_at_chance(tmp_path):
+    """A Poisson regression on the digits: from an image's left half, the number of its right half's pixels of
+    12 or more, a count of 0 to 20. The MLP outputs the log of the rate (PoissonNLLLoss(log_input=True)) and
+    fits it: on 697 fresh digits its Poisson deviance is below a linear Poisson model's (scikit-learn's) and
+    under 0.8 of the mean's. Scored on those log rates as
+    they are, the holdout's squared error against the counts was called critical holdout_at_chance; outputs
+    whose exponentials fit the counts now say a log link, in a notice that names output=. With output=exp the
+    holdout scores the rates, beats the mean, and nothing is said either."""
+    from sklearn.datasets import load_digits
+
+    from telemetry import TrainingTelemetry
+
+    images, _ = load_digits(return_X_y=True)
+    images = images[np.random.RandomState(1234).permutation(len(images))].reshape(-1, 8, 8)
+    x = torch.tensor(images[:, :, :4].reshape(-1, 32) / 16, dtype=torch.float32)
+    counts = torch.tensor((images[:, :, 4:] >= 12).sum((1, 2)), dtype=torch.float32)
+
+    def deviance(rate, y):
+        return float(2 * torch.where(y > 0, y * torch.log(y / rate), torch.zeros_like(y)).sub(y - rate).mean())
+
+    fresh = {}
+    for name, output in (("log", None), ("exp", lambda out: out.exp())):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
+        tel.set_holdout_data((x[1000:1100], counts[1000:1100]), **({"output": output} if output else {}))
+        gen = torch.Generator().manual_seed(0)
+        for epoch in range(15):
+            order = torch.randperm(1000, generator=gen)
+            for i in range(31):
+                idx = order[i * 32:(i + 1) * 32]
+                loss = F.poisson_nll_loss(model(x[idx]).squeeze(1), counts[idx], log_input=True)
+                loss.backward()
+                opt.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], counts[idx]), loss=loss)
+                opt.zero_grad()
+        tel.close()
+        with torch.no_grad():
+            fresh[name] = deviance(model(x[1100:]).squeeze(1).exp(), counts[1100:])
+    from sklearn.linear_model import PoissonRegressor
+
+    glm = PoissonRegressor(alpha=1e-4, max_iter=1000).fit(x[:1000].numpy(), counts[:1000].numpy())
+    linear = deviance(torch.tensor(glm.predict(x[1100:].numpy()), dtype=torch.float32), counts[1100:])
+    mean = deviance(counts[:1000].mean().expand(len(counts) - 1100), counts[1100:])
+    assert max(fresh.values()) < min(linear, 0.8 * mean), (fresh, linear, mean)
+    run, found = codes(tmp_path / "log")
+    assert "holdout_at_chance" not in found and not loud(found), found
+    assert any("A log link" in n and "output=lambda out: out.exp()" in n for n in run.notices), run.notices
+    run, found = codes(tmp_path / "exp")
+    assert not loud(found) and not any("log link" in n for n in run.notices)
+    assert 1 - run.records[-1]["holdout_logits"]["loss"] / float(counts[1000:1100].var(unbiased=False)) > 0.2
+
+
 def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
     fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
