@@ -2756,7 +2756,9 @@ def _starved_first_layers(run: Run):
     st, ratio, head, tail = prof
     later = ratio[len(ratio) // 2:]   # the run's own history: persistent, not a moment of the first steps
     med = float(np.median(later))
-    if med > VANISHED_RATIO:
+    # in a run whose loss fell tenfold the first layers have little left to learn, or the rest of the model did it
+    # for them (a LoRA adapter's low-rank tensors set against a full head, on a task its base already solved)
+    if med > VANISHED_RATIO or _loss_converged(column(run, "loss")):
         return None
     onset = st[np.argmax(ratio <= VANISHED_RATIO)]
     share = f"{_fmt(med)} of the gradient norm of" if med > 0 else "no gradient at all, against"
