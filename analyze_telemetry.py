@@ -4014,7 +4014,9 @@ def check_repeated_batches(run: Run) -> list:
         f"input fingerprints), first at step {repeats[0][1]} (seen at step {repeats[0][0]}); only "
         f"{len(fingerprints)} distinct batch(es) among them.", _steps_list([repeats[0][0]] + [s for _, s in repeats]),
         hint="Check the data loader: an iterator created once outside the loop and never advanced (next(iter(loader)) "
-             "inside the loop re-creates it), a cached batch, or a sampler that yields the same indices.")]
+             "inside the loop re-creates it), a cached batch, or a sampler that yields the same indices. Full-batch "
+             "training (the whole training set at every step) is one batch an epoch: pass the step as both "
+             "batch_idx and epoch, on_batch_end(model, optimizer, step, step).")]
 
 
 def _unit_health(run: Run, field_name: str):

@@ -1011,6 +1011,39 @@ def test_a_count_model_with_a_log_link_is_not_at_chance(tmp_path):
     assert 1 - run.records[-1]["holdout_logits"]["loss"] / float(counts[1000:1100].var(unbiased=False)) > 0.2
 
 
+def test_full_batch_training_is_told_how_to_pass_its_steps(tmp_path):
+    """Full-batch training of an MLP on iris: the whole training set at every step, 300 steps of Adam. Hooked
+    with the step as batch_idx in an epoch 0, the same batch 30 times in one epoch reads as a loader that never
+    advances, which the records cannot tell apart: the hint now says how full-batch training is passed. With the
+    step as both batch_idx and epoch it is quiet, and collect_every_n still counts the steps."""
+    from sklearn.datasets import load_iris
+
+    from telemetry import TrainingTelemetry
+
+    x, y = load_iris(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(y))
+    x, y = torch.tensor((x[order] - x.mean(0)) / x.std(0), dtype=torch.float32), torch.tensor(y[order])
+    for mode in ("epoch0", "each"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / mode), collect_every_n=10)
+        tel.set_holdout_data((x[100:130], y[100:130]))
+        for step in range(300):
+            loss = F.cross_entropy(model(x[:100]), y[:100])
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, step, 0 if mode == "epoch0" else step, batch=(x[:100], y[:100]), loss=loss)
+            opt.zero_grad()
+        tel.close()
+        with torch.no_grad():
+            assert float((model(x[100:]).argmax(1) == y[100:]).float().mean()) > 0.9
+    run, found = codes(tmp_path / "epoch0")
+    assert "on_batch_end(model, optimizer, step, step)" in found["repeated_batches"].hint
+    run, found = codes(tmp_path / "each")
+    assert len(run.records) == 30 and not loud(found)
+
+
 def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
     fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
