@@ -2587,6 +2587,10 @@ def _grad_jumps(t: Trend, loss: np.ndarray):
     # the model starting to learn, not a blow-up.
     spikes = [i for i in spikes if not np.nanmedian(loss[i:i + 3]) < np.nanmedian(loss[max(i - 5, 0):i])] \
         if np.isfinite(loss).all() else spikes
+    # A jump to the level the norm then keeps (the median of the 20 collections after it, 5 at least, within 4x
+    # of it: 5x and more above where it was) is the norm's new scale, not a spike: a model leaving a plateau,
+    # whose pre-clip norms grow as it learns. A norm that keeps growing is _grad_growth's.
+    spikes = [i for i in spikes if not (len(g) - i - 1 >= 5 and np.median(g[i + 1:i + 21]) >= g[i] / 4)]
     if not len(spikes):
         return None
     worst = spikes[np.argmax(ratio[spikes])]
