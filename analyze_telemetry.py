@@ -2081,21 +2081,30 @@ def check_future_visible(run: Run) -> list:
              "that is not causally padded) reads ahead too.")]
 
 
+def _late_beside_next_token(run: Run, key: str):
+    """(_late of a language model holdout's per-evaluation `key`, a share of its positions; _late of its
+    next-token accuracy; the positions its last evaluation counted), or None where either has too few
+    evaluations or under 50 positions were counted."""
+    h = holdout_data(run)
+    if not h or h.kind != "lm":
+        return None
+    shares = np.array([_num(r.get(key)) for r in h.raw])
+    tokens = h.raw[-1].get("tokens") if h.raw else None
+    counted = sum(v for v in tokens if _has_type(v, int)) if isinstance(tokens, list) else 0
+    late, late_next = _late(h, shares), _late(h, h.accuracy)
+    return None if late is None or late_next is None or counted < 50 else (late, late_next, counted)
+
+
 def check_labels_not_shifted(run: Run) -> list:
     """A language model that predicts the token at each position, not the next one: trained on labels that
     were never shifted (logits[:, t] scored against labels[:, t]), it learns to copy its input, its train loss
     falls toward 0, and the holdout, scored on the next token, gets worse than an untrained model's. Telemetry
     records the share of holdout positions whose top prediction is the position's own token (copy_accuracy);
     over the last quarter of the evaluations it is COPIED or more, and three times the next-token accuracy."""
-    h = holdout_data(run)
-    if not h or h.kind != "lm":
+    found = _late_beside_next_token(run, "copy_accuracy")
+    if found is None:
         return []
-    copied = np.array([_num(r.get("copy_accuracy")) for r in h.raw])
-    tokens = h.raw[-1].get("tokens") if h.raw else None
-    counted = sum(v for v in tokens if _has_type(v, int)) if isinstance(tokens, list) else 0
-    late_copy, late_next = _late(h, copied), _late(h, h.accuracy)
-    if late_copy is None or late_next is None or counted < 50:
-        return []
+    late_copy, late_next, counted = found
     if late_copy[0] < COPIED or late_copy[0] < 3 * late_next[0]:
         return []
     return [Finding(
@@ -2120,15 +2129,10 @@ def check_labels_shifted_twice(run: Run) -> list:
     a model trained right gets the next token more often than the one after it, by far. Over the last quarter
     of the evaluations it is above the next-token accuracy by 3 binomial sigmas of the positions counted and
     by 3 points or more."""
-    h = holdout_data(run)
-    if not h or h.kind != "lm":
+    found = _late_beside_next_token(run, "ahead_accuracy")
+    if found is None:
         return []
-    ahead = np.array([_num(r.get("ahead_accuracy")) for r in h.raw])
-    tokens = h.raw[-1].get("tokens") if h.raw else None
-    counted = sum(v for v in tokens if _has_type(v, int)) if isinstance(tokens, list) else 0
-    late_ahead, late_next = _late(h, ahead), _late(h, h.accuracy)
-    if late_ahead is None or late_next is None or counted < 50:
-        return []
+    late_ahead, late_next, counted = found
     gap = late_ahead[0] - late_next[0]
     if gap < 0.03 or gap < 3 * math.sqrt(max(late_ahead[0] * (1 - late_ahead[0]), 1e-9) / counted):
         return []

@@ -4812,12 +4812,11 @@ class _Holdout:
         self.regression = any(is_regression_target(t) for t in found)
         # Integer labels beyond 0/1 against one output per example: a regression on them (ordinal targets, or
         # class indices under MSE), which a binary reading would score with BCE against targets of 2 and more.
-        self.graded = any(not t.is_floating_point() and t.dim() <= 1 and not _zero_one(t.detach().cpu())
-                          for t in found)
+        indices = [t.detach().cpu().reshape(-1) for t in found if not t.is_floating_point() and t.dim() <= 1]
+        self.graded = any(not _zero_one(t) for t in indices)
         # the class indices' range, checked against the model's outputs before scoring: an index past them is an
         # IndexError on the CPU, and on a GPU a device-side assert that ends the process's CUDA context
-        kept = [t.detach().cpu().reshape(-1) for t in found if not t.is_floating_point() and t.dim() <= 1]
-        kept = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
+        kept = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)
         kept = kept[kept != IGNORE_INDEX]
         self.label_range = (int(kept.min()), int(kept.max())) if len(kept) else None
         self.shift = next((own_tokens(b, t) for b, t in zip(batches, found) if t.dim() >= 2), True)

@@ -961,13 +961,11 @@ def test_a_count_model_with_a_log_link_is_not_at_chance(tmp_path):
     """A Poisson regression on the digits: from an image's left half, the number of its right half's pixels of
     12 or more, a count of 0 to 20. The MLP outputs the log of the rate (PoissonNLLLoss(log_input=True)) and
     fits it: on 697 fresh digits its Poisson deviance is below a linear Poisson model's (scikit-learn's) and
-    under 0.8 of the mean's. Scored on those log rates as
-    they are, the holdout's squared error against the counts was called critical holdout_at_chance; outputs
-    whose exponentials fit the counts now say a log link, in a notice that names output=. With output=exp the
-    holdout scores the rates, beats the mean, and nothing is said either."""
+    under 0.8 of the mean's. Scored on those log rates as they are, the holdout's squared error against the
+    counts was called critical holdout_at_chance; outputs whose exponentials fit the counts now say a log link,
+    in a notice that names output=. With output=exp the holdout scores the rates, beats the mean, and nothing
+    is said either."""
     from sklearn.datasets import load_digits
-
-    from telemetry import TrainingTelemetry
 
     images, _ = load_digits(return_X_y=True)
     images = images[np.random.RandomState(1234).permutation(len(images))].reshape(-1, 8, 8)
@@ -981,20 +979,10 @@ def test_a_count_model_with_a_log_link_is_not_at_chance(tmp_path):
     for name, output in (("log", None), ("exp", lambda out: out.exp())):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-        opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
-        tel.set_holdout_data((x[1000:1100], counts[1000:1100]), **({"output": output} if output else {}))
-        gen = torch.Generator().manual_seed(0)
-        for epoch in range(15):
-            order = torch.randperm(1000, generator=gen)
-            for i in range(31):
-                idx = order[i * 32:(i + 1) * 32]
-                loss = F.poisson_nll_loss(model(x[idx]).squeeze(1), counts[idx], log_input=True)
-                loss.backward()
-                opt.step()
-                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], counts[idx]), loss=loss)
-                opt.zero_grad()
-        tel.close()
+        shuffled_epochs(tmp_path / name, model, torch.optim.Adam(model.parameters(), lr=2e-3), x[:1000], counts[:1000],
+                        (x[1000:1100], counts[1000:1100]), 15, 32,
+                        lambda out, y: F.poisson_nll_loss(out.squeeze(1), y, log_input=True),
+                        **({"output": output} if output else {}))
         with torch.no_grad():
             fresh[name] = deviance(model(x[1100:]).squeeze(1).exp(), counts[1100:])
     from sklearn.linear_model import PoissonRegressor
@@ -1269,6 +1257,27 @@ def test_an_ema_copy_passed_in_place_of_the_model_is_named_and_not_called_frozen
     assert "not_learning" not in found and not [f for f in found.values() if f.severity == "critical"], found
 
 
+def shuffled_epochs(out, model, opt, x, y, holdout, epochs, batch, loss_fn, **holdout_kw) -> None:
+    """`epochs` passes over (x, y) in len(x) // batch batches, shuffled by a generator seeded 0, each step
+    hooked after optimizer.step() by the real TrainingTelemetry collecting every 5 into `out`, with `holdout`
+    (and `holdout_kw`) given to set_holdout_data."""
+    from telemetry import TrainingTelemetry
+
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
+    tel.set_holdout_data(holdout, **holdout_kw)
+    gen = torch.Generator().manual_seed(0)
+    for epoch in range(epochs):
+        order = torch.randperm(len(x), generator=gen)
+        for i in range(len(x) // batch):
+            idx = order[i * batch:(i + 1) * batch]
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+            opt.zero_grad()
+    tel.close()
+
+
 def digit_pixels():
     """(x, y) of scikit-learn's digits, shuffled as standardized() does, their pixels of 0-16 centred and scaled
     by fixed constants: a pixel blank in every training image stays finite elsewhere, where a standardisation
@@ -1537,8 +1546,6 @@ def test_a_tagger_trained_on_labels_a_position_off_is_told_so(tmp_path):
     far worse than the same tagger on aligned tags. Its holdout (aligned tags, scored at their own positions)
     was at chance with the hint of a language model whose context does not reach it; the hint now names tags
     a position off, or taken from another example."""
-    from telemetry import TrainingTelemetry
-
     ids, tags = python_token_types(2600)
     off = torch.cat([torch.full_like(tags[:, :1], -100), tags[:, :-1]], 1)
     off[ids == 0] = -100
@@ -1556,20 +1563,9 @@ def test_a_tagger_trained_on_labels_a_position_off_is_told_so(tmp_path):
     for name, train_tags in (("off", off), ("aligned", tags)):
         torch.manual_seed(0)
         model = Tagger()
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
-        tel.set_holdout_data((ids[2000:2050], tags[2000:2050]))
-        order = torch.Generator().manual_seed(0)
-        for epoch in range(8):
-            perm = torch.randperm(2000, generator=order)
-            for i in range(31):
-                idx = perm[i * 64:(i + 1) * 64]
-                loss = F.cross_entropy(model(ids[idx]).reshape(-1, 7), train_tags[idx].reshape(-1))
-                loss.backward()
-                opt.step()
-                tel.on_batch_end(model, opt, i, epoch, batch=(ids[idx], train_tags[idx]), loss=loss)
-                opt.zero_grad()
-        tel.close()
+        shuffled_epochs(tmp_path / name, model, torch.optim.Adam(model.parameters(), lr=3e-3), ids[:2000],
+                        train_tags[:2000], (ids[2000:2050], tags[2000:2050]), 8, 64,
+                        lambda out, y: F.cross_entropy(out.reshape(-1, 7), y.reshape(-1)))
         with torch.no_grad():
             kept = tags[2100:] != -100
             fresh[name] = float((model(ids[2100:]).argmax(-1) == tags[2100:])[kept].float().mean())
@@ -1588,8 +1584,6 @@ def test_a_small_input_space_shared_by_chance_is_no_holdout_leak(tmp_path):
     input_pairs expected no matches, and the analyzer said the holdout was taken from the training data. The
     training rows looked up repeat among themselves (batch_stats.checked_pairs), which gives the share to
     expect: no finding."""
-    from telemetry import TrainingTelemetry
-
     rng = np.random.RandomState(0)
 
     def draw(n):
@@ -1602,20 +1596,8 @@ def test_a_small_input_space_shared_by_chance_is_no_holdout_leak(tmp_path):
     (x, y), held, (xf, yf) = draw(4000), draw(50), draw(5000)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 5))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data(held)
-    order = torch.Generator().manual_seed(0)
-    for epoch in range(15):
-        perm = torch.randperm(4000, generator=order)
-        for i in range(62):
-            idx = perm[i * 64:(i + 1) * 64]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-            opt.zero_grad()
-    tel.close()
+    shuffled_epochs(tmp_path, model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y, held, 15, 64,
+                    F.cross_entropy)
     with torch.no_grad():
         assert (model(xf).argmax(1) == yf).float().mean() > 0.95
     run, found = codes(tmp_path)
