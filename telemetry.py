@@ -2464,6 +2464,18 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _check_device_index(index: int, model: torch.nn.Module) -> None:
+    """device= given as a number names an accelerator by its index; refused unless the model is on that one.
+    A loop that passes its step, batch or epoch counter in that place (the hook read as (model, optimizer,
+    step, batch_idx, epoch)) would otherwise send the holdout to a device the model is not on, or to none."""
+    where = next((p.device for p in model.parameters()), None)
+    if where is None or (where.type != "cpu" and where.index == index):
+        return
+    raise ValueError(f"on_batch_end: device={index} names accelerator {index}, but the model is on {where}; the "
+                     "arguments are (model, optimizer, batch_idx, epoch, device=None, batch=None, loss=None, "
+                     "**scalars): pass a step count as batch_idx, and the model's device (or nothing) as device")
+
+
 def _rng_state() -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -5337,6 +5349,8 @@ class TrainingTelemetry:
             raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; the arguments are (model, "
                             "optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars): pass the "
                             "batch as batch=")
+        if isinstance(device, int):
+            _check_device_index(device, _unwrap_model(model))
         if isinstance(loss, torch.Tensor) and loss.numel() != 1:
             raise ValueError(f"on_batch_end: loss= has {loss.numel()} values (shape {list(loss.shape)}); pass the "
                              "one number the optimizer stepped on, e.g. loss.mean() for a per-example loss")

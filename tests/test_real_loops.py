@@ -532,6 +532,28 @@ def test_a_batch_in_the_device_slot_is_a_type_error_naming_the_order(tmp_path):
     tel.close()
 
 
+def test_a_counter_in_the_device_slot_is_refused_at_the_call(tmp_path):
+    # The hook read as (model, optimizer, step, batch_idx, epoch): the epoch lands in device=, an accelerator's
+    # index, where the holdout would be sent. On a CPU model every number is refused, naming the order; the
+    # loop's own weights are untouched.
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    tel.set_holdout_data((x[-50:], y[-50:]))
+    train_steps(model, optimizer, x, y, steps=1)
+    kept = [p.detach().clone() for p in model.parameters()]
+    for epoch in (0, 3):
+        with pytest.raises(ValueError, match=rf"device={epoch} names accelerator {epoch}, but the model is on cpu; "
+                                             r"the arguments are \(model, optimizer, batch_idx, epoch, device=None"):
+            tel.on_batch_end(model, optimizer, 7, 7, epoch)
+    assert all(torch.equal(a, b) for a, b in zip(kept, model.parameters()))
+    rec = tel.on_batch_end(model, optimizer, 7, 0, "cpu")   # the device by name is taken
+    tel.close()
+    assert rec["holdout_logits"]["accuracy"] == pytest.approx(
+        (model(x[-50:]).argmax(1) == y[-50:]).float().mean().item())
+
+
 def test_disabled_grad_scaler_and_disabled_telemetry_are_quiet(tmp_path):
     x, y = digits()
     model = mlp()
