@@ -2236,6 +2236,9 @@ def check_not_learning(run: Run) -> list:
     untrained, _ = _chance_losses(run)
     if untrained and t.last < 0.5 * untrained:
         return []   # it learned before the first collection: still weights at the end of an annealed run
+    first = _finite(column(run, "loss"))[:1]
+    if len(first) and t.last <= 0.1 * abs(float(first[0])):
+        return []   # it fell tenfold from the first record and stays there: converged (as L-BFGS stops), not stuck
     if any(late >= 0.99 and first >= DEAD_SHARE for _, late, first, *_ in _unhealthy_units(run, "dead", DEAD_SHARE)):
         # A ReLU layer dead from the first collection on passes no gradient: the layers before it get none and
         # those after it see a constant, so the weights stand still whatever the optimizer and learning rate.

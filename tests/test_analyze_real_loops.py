@@ -1032,6 +1032,39 @@ def test_full_batch_training_is_told_how_to_pass_its_steps(tmp_path):
     assert len(run.records) == 30 and not loud(found)
 
 
+def test_lbfgs_stopped_at_its_tolerance_is_converged_not_stuck(tmp_path):
+    """L-BFGS on iris's whole training set, 20 iterations a step: the train loss is at 1e-7 by the third step
+    and the optimizer stops moving the weights (its gradient under tolerance_grad). Without a holdout the
+    analyzer knows no chance level; the fall from the first record says it converged, and it is quiet."""
+    from sklearn.datasets import load_iris
+
+    from telemetry import TrainingTelemetry
+
+    x, y = load_iris(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(y))
+    x, y = torch.tensor((x[order] - x.mean(0)) / x.std(0), dtype=torch.float32), torch.tensor(y[order])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=20, history_size=10, line_search_fn="strong_wolfe")
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=1)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[:90]), y[:90])
+        loss.backward()
+        return loss
+    for step in range(30):
+        loss = opt.step(closure)
+        tel.on_batch_end(model, opt, step, step, batch=(x[:90], y[:90]), loss=loss)
+    tel.close()
+    with torch.no_grad():
+        assert float((model(x[90:]).argmax(1) == y[90:]).float().mean()) > 0.85
+    run, found = codes(tmp_path)
+    assert at.column(run, "loss")[-1] < 1e-5 * at.column(run, "loss")[0]
+    assert np.all(at.column(run, "weight_delta.overall")[-20:] == 0)
+    assert "not_learning" not in found and not loud(found)
+
+
 def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
     fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
