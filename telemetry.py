@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import mmap
+import numbers
 import os
 import random
 import socket
@@ -2464,6 +2465,26 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+_HOOK_ORDER = "the arguments are (model, optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars)"
+
+
+
+
+def _hook_loss(loss: Any) -> Any:
+    """loss= as it is recorded: a number, or a one-element tensor (read with the record); a one-element numpy
+    array as its number. Anything else is refused at the call: a loss that is no number would be left out
+    of every loss check without a word."""
+    if type(loss).__module__ == "numpy" and getattr(loss, "size", None) == 1:
+        return loss.item()
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        raise ValueError(f"on_batch_end: loss= has {loss.numel()} values (shape {list(loss.shape)}); pass the "
+                         "one number the optimizer stepped on, e.g. loss.mean() for a per-example loss")
+    if loss is not None and not isinstance(loss, (torch.Tensor, numbers.Real)) or isinstance(loss, bool):
+        raise TypeError(f"on_batch_end: loss= got a {type(loss).__name__}; pass the loss the optimizer stepped on, "
+                        "as its tensor or a number (loss.item())")
+    return loss
+
+
 def _check_device_index(index: int, model: torch.nn.Module) -> None:
     """device= given as a number names an accelerator by its index; refused unless the model is on that one.
     A loop that passes its step, batch or epoch counter in that place (the hook read as (model, optimizer,
@@ -2471,9 +2492,8 @@ def _check_device_index(index: int, model: torch.nn.Module) -> None:
     where = next((p.device for p in model.parameters()), None)
     if where is None or (where.type != "cpu" and where.index == index):
         return
-    raise ValueError(f"on_batch_end: device={index} names accelerator {index}, but the model is on {where}; the "
-                     "arguments are (model, optimizer, batch_idx, epoch, device=None, batch=None, loss=None, "
-                     "**scalars): pass a step count as batch_idx, and the model's device (or nothing) as device")
+    raise ValueError(f"on_batch_end: device={index} names accelerator {index}, but the model is on {where}; "
+                     f"{_HOOK_ORDER}: pass a step count as batch_idx, and the model's device (or nothing) as device")
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -2626,15 +2646,20 @@ class _Optimizers:
 
 def _one_optimizer(optimizer: Any, kept: Dict[tuple, _Optimizers]) -> Any:
     """The optimizer argument as one object: a list or tuple of optimizers becomes an _Optimizers, the same
-    one for the same members at every call (the layout and the step count are keyed by it)."""
+    one for the same members at every call (the layout and the step count are keyed by it). Anything without
+    param_groups is refused: a learning-rate scheduler in its place would read as one group at lr 0."""
+    members = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+    bad = [one for one in members if one is not None and not hasattr(one, "param_groups")]
+    if not members or bad:
+        scheduler = next((one for one in bad if hasattr(getattr(one, "optimizer", None), "param_groups")), None)
+        raise TypeError(f"optimizer= got a {type(scheduler).__name__}, a learning-rate scheduler: pass its optimizer "
+                        "(the one its .optimizer holds)" if scheduler is not None else
+                        "optimizer= takes an optimizer, or a list of optimizers that together hold the model's "
+                        f"trainable parameters; got a {type(optimizer).__name__}"
+                        + (f" of {', '.join(type(one).__name__ for one in bad) or 'nothing'}"
+                           if isinstance(optimizer, (list, tuple)) else ""))
     if not isinstance(optimizer, (list, tuple)):
         return optimizer
-    members = tuple(optimizer)
-    bad = [type(o).__name__ for o in members if not hasattr(o, "param_groups")]
-    if not members or bad:
-        raise TypeError("on_batch_end: optimizer= takes an optimizer, or a list of optimizers that together hold "
-                        f"the model's trainable parameters; got a {type(optimizer).__name__} of "
-                        f"{', '.join(bad) if bad else 'nothing'}")
     key = tuple(id(o) for o in members)
     if key not in kept:
         kept[key] = _Optimizers(members)
@@ -5346,14 +5371,13 @@ class TrainingTelemetry:
             self._warn("closed", "telemetry: on_batch_end was called after close(); nothing is recorded")
             return None
         if device is not None and not isinstance(device, (str, int, torch.device)):
-            raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; the arguments are (model, "
-                            "optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars): pass the "
-                            "batch as batch=")
+            raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; {_HOOK_ORDER}: pass the batch as "
+                            "batch=")
         if isinstance(device, int):
             _check_device_index(device, _unwrap_model(model))
-        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
-            raise ValueError(f"on_batch_end: loss= has {loss.numel()} values (shape {list(loss.shape)}); pass the "
-                             "one number the optimizer stepped on, e.g. loss.mean() for a per-example loss")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"on_batch_end: model= got a {type(model).__name__}, not a torch.nn.Module; {_HOOK_ORDER}")
+        loss = _hook_loss(loss)
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
         if id(optimizer) != self._last_passed:  # the same one as last time: every call of a plain loop
             self._check_turns(optimizer)

@@ -554,6 +554,33 @@ def test_a_counter_in_the_device_slot_is_refused_at_the_call(tmp_path):
         (model(x[-50:]).argmax(1) == y[-50:]).float().mean().item())
 
 
+def test_arguments_that_would_be_recorded_as_something_else_are_refused_at_the_call(tmp_path):
+    # A scheduler passed for its optimizer was recorded as one group at lr 0 (and told of a zero learning rate);
+    # a loss as text was left out of every loss check; model and optimizer swapped failed section by section.
+    import numpy as np
+
+    x, y = digits()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=1))
+    train_steps(model, optimizer, x, y, steps=1)
+    loss = 0.6931
+    refused = [((model, scheduler, 0, 0), {}, r"optimizer= got a StepLR, a learning-rate scheduler: pass its optimizer"),
+               ((model, [optimizer, scheduler], 0, 0), {}, "optimizer= got a StepLR"),
+               ((optimizer, model, 0, 0), {}, r"model= got a SGD, not a torch.nn.Module; the arguments are \(model, "),
+               ((model, optimizer, 0, 0), {"loss": "0.5"}, r"loss= got a str; pass the loss the optimizer stepped on"),
+               ((model, optimizer, 0, 0), {"loss": [0.5]}, "loss= got a list")]
+    for args, kwargs, message in refused:
+        with pytest.raises(TypeError, match=message):
+            tel.on_batch_end(*args, **kwargs)
+    with pytest.raises(TypeError, match="optimizer= got a StepLR"):
+        tel.keep_initial_weights(model, scheduler)
+    rec = tel.on_batch_end(model, optimizer, 0, 0, loss=np.array(loss, dtype=np.float32))   # numpy's one number
+    tel.close()
+    assert rec["loss"] == pytest.approx(loss, rel=1e-6) and rec["learning_rates"]["overall"] == pytest.approx(0.1)
+
+
 def test_disabled_grad_scaler_and_disabled_telemetry_are_quiet(tmp_path):
     x, y = digits()
     model = mlp()
