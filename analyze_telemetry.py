@@ -2936,6 +2936,9 @@ def _label_shares(h: Holdout) -> np.ndarray:
     return counts / counts.sum()
 
 
+RARE_TOLD = 5   # holdout examples outside the most common class that can show a model does better than it
+
+
 def _classification_at_chance(h: Holdout):
     """What says the holdout is no better than a model that knows nothing: its accuracy within the chance
     band or below it (one-sided: doing worse than chance is no better), its loss at the entropy of its labels
@@ -2949,8 +2952,11 @@ def _classification_at_chance(h: Holdout):
     shares = _label_shares(h)
     prior, majority = float(-(shares * np.log(shares)).sum()), float(shares.max())
     loss = _late(h, h.loss)
+    # Against the most common class only where the holdout holds RARE_TOLD examples of the others: with fewer,
+    # a model that knows them all scores within that class's noise band, and one trained with class weights
+    # (whose loss on uneven labels is above their entropy, by design) scores below its share.
     by_loss = loss is not None and loss[0] >= prior - 2 * _loss_se(h) and acc <= majority + 2 * _sigma(majority, n) \
-        and not _recalls_above_chance(h)
+        and not _recalls_above_chance(h) and (1 - majority) * n >= RARE_TOLD
     single = [p for p in h.predictions_last if isinstance(p, list) and p]
     one_class = len(single) >= 2 and all(len(set(p)) == 1 for p in single) and len({p[0] for p in single}) == 1
     where = f"over the last quarter of the run (steps {a}-{b})"

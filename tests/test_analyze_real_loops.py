@@ -1065,6 +1065,53 @@ def test_lbfgs_stopped_at_its_tolerance_is_converged_not_stuck(tmp_path):
     assert "not_learning" not in found and not loud(found)
 
 
+def test_class_weights_on_a_holdout_with_two_rare_examples_are_not_at_chance(tmp_path):
+    """Breast cancer on three weak features, malignant kept to 5% of the training set and to 2 of the holdout's
+    50: a model trained with inverse-frequency class weights predicts the rare class often, so its holdout
+    accuracy is under the common class's 96% (its loss above the labels' entropy, as a weighted model's is) while
+    its balanced accuracy on fresh data is far over chance. Two rare examples cannot show a model does better
+    than always predicting the common class: no holdout_at_chance. Without the weights it predicts the common
+    class for every example (fresh balanced accuracy at chance), and that is still critical."""
+    from sklearn.datasets import load_breast_cancer
+
+    from telemetry import TrainingTelemetry
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x = x[:, [4, 8, 9]]
+    x, y = torch.tensor((x - x.mean(0)) / x.std(0), dtype=torch.float32), torch.tensor((y == 0).astype(int))
+    rng = np.random.RandomState(0)
+    rare, common = rng.permutation(np.flatnonzero(y == 1)), rng.permutation(np.flatnonzero(y == 0))
+    hold, fresh = np.r_[rare[:2], common[:48]], np.r_[rare[2:80], common[48:150]]
+    train = torch.tensor(np.r_[rare[80:92], common[150:]])
+    for weighted in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        weight = torch.tensor([1.0, float((y[train] == 0).sum() / (y[train] == 1).sum())]) if weighted else None
+        tel = TrainingTelemetry(output_dir=str(tmp_path / str(weighted)), collect_every_n=5)
+        tel.set_holdout_data((x[hold], y[hold]))
+        gen = torch.Generator().manual_seed(0)
+        for epoch in range(40):
+            order = train[torch.randperm(len(train), generator=gen)]
+            for i, start in enumerate(range(0, len(order), 32)):
+                idx = order[start:start + 32]
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x[idx]), y[idx], weight=weight)
+                loss.backward()
+                opt.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
+        tel.close()
+        with torch.no_grad():
+            predicted, truth = model(x[fresh]).argmax(1), y[fresh]
+        balanced = 0.5 * float((predicted[truth == 1] == 1).float().mean() + (predicted[truth == 0] == 0).float().mean())
+        run, found = codes(tmp_path / str(weighted))
+        if weighted:
+            assert balanced > 0.7 and at._late(at.holdout_data(run), at.holdout_data(run).accuracy)[0] < 0.9
+            assert not loud(found) and found["class_imbalance"].severity == "info"
+        else:
+            assert balanced < 0.55 and found["holdout_at_chance"].severity == "critical"
+
+
 def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
     fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
