@@ -4066,10 +4066,14 @@ class _OptimizerSteps:
                 counter.total += 1
         weakref.finalize(self, _register_step_hook(hook).remove)
 
-    def count(self, optimizer: Any) -> int:
-        """Steps of this optimizer since telemetry started (of several: the most any of them took)."""
-        if isinstance(optimizer, _Optimizers):
-            return max(self.count(o) for o in optimizer.members)
+    def counts_of(self, members: tuple) -> List[int]:
+        """Steps of each optimizer since telemetry started. One the hook has not seen step (a wrapper it cannot
+        look through, or one that has not stepped yet) is given the steps of every optimizer but the others."""
+        found = [self._seen_count(o) for o in members]
+        rest = self.total - sum(c for c in found if c is not None)
+        return [rest if c is None else c for c in found]
+
+    def _seen_count(self, optimizer: Any) -> Optional[int]:
         seen = set()
         while optimizer is not None and id(optimizer) not in seen:
             seen.add(id(optimizer))
@@ -4077,7 +4081,7 @@ class _OptimizerSteps:
                 if optimizer in self.counts:
                     return self.counts[optimizer]
             optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        return self.total if self.counts else 0
+        return None
 
 
 class _Schedule:
@@ -4088,7 +4092,7 @@ class _Schedule:
     def __init__(self, every: int):
         self.every = every
         self.steps = _OptimizerSteps()
-        self.seen: Dict[int, int] = {}  # optimizer id -> its step count at the previous call
+        self.seen: Dict[int, int] = {}  # optimizer id (of each one in a list) -> its step count at the previous call
         self.due = False
         self.calls_without_step = 0
         self.batches_per_step = 1  # calls up to the latest step: its micro-batches, where each is passed
@@ -4101,8 +4105,14 @@ class _Schedule:
         if optimizer is None:
             taken = 1
         else:
-            count = self.steps.count(optimizer)
-            taken, self.seen[id(optimizer)] = count - self.seen.get(id(optimizer), 0), count
+            # Of several optimizers, the most steps any one took since the previous call: a call after which
+            # any of them stepped is a step (a backbone's and a head's stepping on alternate batches, too).
+            members = optimizer.members if isinstance(optimizer, _Optimizers) else (optimizer,)
+            deltas = []
+            for one, count in zip(members, self.steps.counts_of(members)):
+                deltas.append(count - self.seen.get(id(one), 0))
+                self.seen[id(one)] = count
+            taken = max(deltas)
             if taken:
                 self.batches_per_step = self.calls_without_step + 1
                 if taken == 1 and not self.calls_without_step and self.last_idx is not None \

@@ -442,6 +442,32 @@ def test_gradient_accumulation_with_the_hook_only_after_each_step(tmp_path):
         assert r["gradient_norm"]["overall"] == pytest.approx(norms[r["epoch"], r["batch_idx"]], rel=1e-6)
 
 
+def test_optimizers_that_step_on_alternate_batches_are_a_step_at_every_call(tmp_path):
+    """Block-coordinate training: the features' optimizer steps on even batches, the head's on odd ones, the
+    hook called once per batch with both. Each call follows a step, so every call counts one and collects at
+    the multiples of collect_every_n, each record's gradients one backward pass's (they were counted as
+    micro-batches: half the steps, and every record said two backward passes)."""
+    x, y = digits()
+    model = mlp()
+    features, head = torch.optim.Adam(model[0].parameters(), 1e-3), torch.optim.Adam(model[2].parameters(), 1e-3)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=5, strict=True))
+    norms = {}
+    for i in range(40):
+        nn.functional.cross_entropy(model(x[32 * i:32 * i + 32]), y[32 * i:32 * i + 32]).backward()
+        norms[i + 1] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+        (features if i % 2 == 0 else head).step()
+        tel.on_batch_end(model, [features, head], i, 0)
+        features.zero_grad()
+        head.zero_grad()
+    tel.close()
+    records = read(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 41, 5))
+    assert [r["batch_idx"] for r in records] == list(range(0, 40, 5))
+    assert all(r.get("accumulation") in (None, 1) for r in records)
+    for r in records:
+        assert r["gradient_norm"]["overall"] == pytest.approx(norms[r["step"]], rel=1e-5)
+
+
 def test_several_optimizers_passed_as_a_list_record_each_ones_groups(tmp_path):
     """A backbone's SGD and a head's Adam, each stepping every batch: the records count optimizer steps, hold
     both optimizers' learning rates as they are, and the norms cover every parameter; the analyzer is quiet
