@@ -1328,10 +1328,14 @@ def check_lr_collapsed(run: Run) -> list:
     the run and stayed there: the rest of the run's steps move the weights by next to nothing, whatever the
     run had learned by then. A scheduler stepped per batch where it counts epochs, or a decay far too steep."""
     lr, st = column(run, "learning_rates.overall"), steps(run)
-    ok = np.isfinite(lr) & (lr > 0) if len(lr) else np.zeros(0, dtype=bool)
-    if ok.sum() < 8 or not ok[0]:
+    ok = np.isfinite(lr) & (lr >= 0) if len(lr) else np.zeros(0, dtype=bool)
+    if ok.sum() < 8:
         return []
     lr, st = lr[ok], st[ok]
+    # An lr of 0 is collapsed too (a linear decay to 0 sized in epochs gets there in a few steps); one that is
+    # 0 from the second collection on, lr_zero's, or at the first (a warmup from 0), is not a fall from a peak.
+    if not lr[0] > 0 or not lr[1] > 0:
+        return []
     peak = float(np.max(lr[: max(1, np.searchsorted(st, st[0] + 0.5 * (st[-1] - st[0]), "right"))]))
     floor = LR_COLLAPSE * peak * (1 + 1e-9)   # a schedule's products of 0.1 land a rounding above 1e-3
     low = np.flatnonzero(lr <= floor)
@@ -1346,7 +1350,8 @@ def check_lr_collapsed(run: Run) -> list:
         f"{1 - share:.0%} of the run after it moved the weights by next to nothing.",
         _steps_list([int(st[i]), int(st[-1])]),
         hint="A scheduler stepped once per batch where its step_size, T_max or milestones count epochs: step it once "
-             "per epoch, or give it steps (StepLR(step_size=epochs * steps_per_epoch)); else check gamma and the "
+             "per epoch, or give it steps (StepLR(step_size=epochs * steps_per_epoch)); a linear or cosine decay's "
+             "num_training_steps (total_steps) counts optimizer steps too, not epochs. Else check gamma and the "
              "schedule's length against the number of optimizer steps.")]
 
 

@@ -1397,6 +1397,32 @@ def digit_epochs(out, model, opt, x, y, epochs, loss_fn=F.cross_entropy, every=5
     tel.close()
 
 
+def test_a_linear_decay_sized_in_epochs_is_a_collapsed_learning_rate(tmp_path):
+    """transformers' get_linear_schedule_with_warmup given the epochs (10) as num_training_steps and stepped
+    every batch: the lr is exactly 0 from the 10th of 280 steps on. It was told only as not_learning, 'try a
+    learning rate 10-100x larger', which cannot move an lr of 0; now lr_collapsed leads and names the count.
+    The same schedule given the steps learns (fresh accuracy, examples 1000 on)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    x, y = digit_pixels()
+    fresh = {}
+    for name, total in (("epochs", 10), ("steps", 280)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        schedule = get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=total)
+        digit_epochs(tmp_path / name, model, opt, x, y, 10, after_step=schedule.step)
+        with torch.no_grad():
+            fresh[name] = float((model(x[1000:]).argmax(1) == y[1000:]).float().mean())
+    assert fresh["epochs"] < 0.5 < 0.9 < fresh["steps"]
+    run, found = codes(tmp_path / "epochs")
+    top = at.diagnose(run)[0]
+    assert top.code == "lr_collapsed" and "num_training_steps" in top.hint
+    assert "not_learning" in {f.code for f in top.consequences}
+    run, found = codes(tmp_path / "steps")
+    assert not loud(found)
+
+
 def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
     """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
     stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The
