@@ -2796,8 +2796,10 @@ def check_vanishing_gradients(run: Run) -> list:
     return [f for f in found if f is not None]
 
 
-def _loss_spikes(x: np.ndarray, positive: bool):
-    """(spike indices, recent median per point) of one uninterrupted stretch of batch losses."""
+def _loss_spikes(x: np.ndarray, positive: bool, untrained: float | None = None):
+    """(spike indices, recent median per point) of one uninterrupted stretch of batch losses; `untrained`, the
+    loss of a model that knows nothing where the holdout tells it, is the run's scale where its first losses
+    (small batches that fell fast) are below it."""
     # Batch losses vary multiplicatively (late in training one hard example moves a batch's loss 10x),
     # so judge jumps on a log scale when the loss is positive, against the previous 50 batches.
     y = np.log(x) if positive else x
@@ -2808,7 +2810,7 @@ def _loss_spikes(x: np.ndarray, positive: bool):
     noise = np.concatenate([[np.nan], 1.4826 * dmad / math.sqrt(2)])
     sigma = np.maximum(noise, 0.01 if positive else 1e-3 * np.abs(med))
     recent = np.exp(med) if positive else med
-    scale = abs(float(np.median(x[:10])))
+    scale = max(abs(float(np.median(x[:10]))), untrained or 0.0)
     with np.errstate(invalid="ignore"):
         # far outside the recent noise, at least double the recent level, and visible on the run's scale
         spike = ((y - med) > (6 if positive else 8) * sigma) & (x > 2 * np.abs(recent)) \
@@ -2834,9 +2836,10 @@ def _spikes(run: Run) -> Spikes:
     x, st, seg = loss[rows], steps(run)[rows], segment_ids(run)[rows]
     positive = bool(np.all(x > 0))
     idx, recent = [], np.full(len(x), np.nan)
+    untrained, _ = _chance_losses(run)
     for part in _pieces(seg):   # the window starts again after each restart
         if len(part) >= 12:
-            found, recent[part] = _loss_spikes(x[part], positive)
+            found, recent[part] = _loss_spikes(x[part], positive, untrained)
             idx += list(part[found])
     idx = np.array(idx, dtype=int)
     events = [idx[0]] + [b for a, b in zip(idx[:-1], idx[1:]) if b > a + 1] if len(idx) else []

@@ -75,6 +75,7 @@ MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
 # window of a noisy run (small batches) can hold too little of its spread, and a robust z alone then makes
 # a spike of the run's ordinary values.
 SPIKE_MIN_RATIO = 2.0
+SPIKE_VISIBLE = 0.05  # ... and a loss spike rises by this share of the run's first losses (their highest)
 _LOGGER = logging.getLogger("telemetry")
 IGNORE_INDEX = -100  # label value that HF losses skip (padding, prompt tokens)
 # Dict keys tried, in order, when the config names no label key ("winner": pairwise-preference labels).
@@ -2798,6 +2799,7 @@ class _AlertMonitor:
     def __init__(self, config: TelemetryConfig):
         self.config = config
         self.history = {k: collections.deque(maxlen=config.alert_window) for k in ("loss", "grad")}
+        self.first_losses: List[float] = []  # the run's scale: a spike must be visible on it
         self.active: set = set()
         self.frozen_streak: Dict[tuple, int] = {}
         self.collections = 0
@@ -2838,11 +2840,16 @@ class _AlertMonitor:
             return
         history = self.history["loss"]
         if len(history) >= MIN_ALERT_HISTORY:
-            z = robust_z(history, loss)
-            if z > self.config.alert_spike_threshold and loss > SPIKE_MIN_RATIO * abs(statistics.median(history)):
+            z, median = robust_z(history, loss), statistics.median(history)
+            # Near 0 (late in a run of small batches) one hard example is many times the median and many robust
+            # SDs above it: a spike also rises by SPIKE_VISIBLE of the run's scale, its first losses' highest.
+            if z > self.config.alert_spike_threshold and loss > SPIKE_MIN_RATIO * abs(median) \
+                    and loss - median > SPIKE_VISIBLE * max(map(abs, self.first_losses)):
                 yield ("loss_spike", "warning", f"loss {loss:.4g} is {z:.1f} robust SDs above its rolling "
-                                                f"median {statistics.median(history):.4g}", None)
+                                                f"median {median:.4g}", None)
         history.append(loss)
+        if len(self.first_losses) < 10:
+            self.first_losses.append(loss)
 
     def _gradient_spikes(self, record):
         norm = (record.get("gradient_norm") or {}).get("overall")

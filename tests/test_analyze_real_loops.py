@@ -1112,6 +1112,43 @@ def test_class_weights_on_a_holdout_with_two_rare_examples_are_not_at_chance(tmp
             assert balanced < 0.55 and found["holdout_at_chance"].severity == "critical"
 
 
+def test_one_hard_example_late_in_batch_size_1_training_is_no_loss_spike(tmp_path):
+    """Online SGD on wine, one example a batch: late in the run the batch loss is about 6e-4, and one harder
+    example scores 0.034, 50x that and 40 robust SDs above it, but a twentieth of what an untrained model
+    scores. Telemetry's live alert and the analyzer's check both raised loss_spike on it; a spike now also
+    rises by 5% of the run's scale (its first losses, or log K where the holdout says K)."""
+    from sklearn.datasets import load_wine
+
+    from telemetry import TrainingTelemetry
+
+    x, y = load_wine(return_X_y=True)
+    order = np.random.RandomState(4321).permutation(len(y))
+    x, y = torch.tensor(x[order], dtype=torch.float32), torch.tensor(y[order])
+    mean, std = x[:100].mean(0), x[:100].std(0) + 1e-6
+    x = (x - mean) / std
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(13, 32), nn.ReLU(), nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[100:140], y[100:140]))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:100], y[:100]), batch_size=1, shuffle=True)
+    for epoch in range(6):
+        for i, (xb, yb) in enumerate(loader):
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
+            opt.zero_grad()
+    tel.close()
+    with torch.no_grad():
+        assert float((model(x[140:]).argmax(1) == y[140:]).float().mean()) > 0.9
+    run, found = codes(tmp_path)
+    loss = at.column(run, "loss")
+    late = loss[len(loss) // 2:]
+    assert late.max() > 30 * np.median(late) and late.max() < 0.05   # the hard example, on a near-0 level
+    assert "loss_spike" not in found and not loud(found)
+
+
 def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
     fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
