@@ -3306,6 +3306,17 @@ def _holdout_loss_rise(h: Holdout):
     # lifts the mean of a 30-example holdout past the margin alone, while the others stay where they were,
     # and says nothing about a fresh test set: without its largest contributor, the rest of the holdout must
     # still rise beyond the wobble.
+    # A classifier whose holdout accuracy climbed well past what it was at the loss's best (3 binomial sigmas
+    # and 5 points, the last three evaluations' median) learned since: its loss rose with its confidence on
+    # the examples it gets wrong (noisy labels, by design), and stopping at that best would keep the worse model.
+    # Nor is a best no lower than an untrained classifier's loss (log K) one the model had learned: stopping
+    # there keeps an untrained model (a run at chance is holdout_at_chance's).
+    if h.kind == "classification" and len(h.accuracy) > max(evaluations):
+        then, now = float(h.accuracy[evaluations[0]]), float(np.median(_finite(h.accuracy)[-3:]))
+        n = int(h.n or 0) or 50
+        if now - then >= max(0.05, 3 * _sigma((then + now) / 2, n)) or h.num_classes and h.num_classes >= 2 \
+                and best >= 0.95 * math.log(h.num_classes):
+            return None
     per = [_example_losses(h.raw[i]) if i < len(h.raw) else None for i in evaluations]
     if all(p is not None for p in per) and len(per[0]) == len(per[1]) >= 5:
         rise = per[1] - per[0]

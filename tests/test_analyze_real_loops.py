@@ -1149,6 +1149,46 @@ def test_one_hard_example_late_in_batch_size_1_training_is_no_loss_spike(tmp_pat
     assert "loss_spike" not in found and not loud(found)
 
 
+def test_a_noise_robust_loss_on_noisy_labels_is_no_overfitting(tmp_path):
+    """Digits with half their labels drawn at random (55% right), in training and in the holdout, trained with
+    the generalized cross-entropy (q = 0.7), which resists the noise: fresh accuracy on the true labels is
+    over 0.9. The holdout's cross-entropy never goes below an untrained model's log 10 (the model grows sure of
+    the right class, and a wrong label costs more), and then rises: the overfitting warning said to stop at
+    that best, which is an untrained model."""
+    from sklearn.datasets import load_digits
+
+    from telemetry import TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(y))
+    x, y = torch.tensor(x[order] / 16, dtype=torch.float32), torch.tensor(y[order])
+    gen = torch.Generator().manual_seed(5)
+    noisy = torch.where(torch.rand(len(y), generator=gen) < 0.5, torch.randint(0, 10, (len(y),), generator=gen), y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[1000:1050], noisy[1000:1050]))
+    gen = torch.Generator().manual_seed(0)
+    for epoch in range(30):
+        order = torch.randperm(1000, generator=gen)
+        for i in range(0, 1000, 32):
+            idx = order[i:i + 32]
+            p = F.softmax(model(x[idx]), 1).gather(1, noisy[idx, None]).clamp_min(1e-7)
+            loss = ((1 - p ** 0.7) / 0.7).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i // 32, epoch, batch=(x[idx], noisy[idx]), loss=loss)
+    tel.close()
+    with torch.no_grad():
+        assert float((model(x[1100:]).argmax(1) == y[1100:]).float().mean()) > 0.9
+    run, found = codes(tmp_path)
+    h = at.holdout_data(run)
+    assert np.nanmin(h.loss) > 0.95 * math.log(10) and h.loss[-1] > 1.5 * np.nanmin(h.loss)
+    assert "overfitting" not in found and not loud(found)
+
+
 def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
     fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
