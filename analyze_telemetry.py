@@ -2233,6 +2233,12 @@ def check_not_learning(run: Run) -> list:
                     (", as was the train loss" if len(loss) and np.all(loss == 0) else ""))
             hint = ("The loss does not depend on the weights: check what it is computed from (a loss multiplied by 0, "
                     "or by a mask or per-example weights that select nothing).")
+            if len(loss) >= 2 and np.all(loss != 0) and np.ptp(loss) > 0:
+                why += f", while the train loss was there ({_fmt(float(np.median(loss)))}, varying by batch)"
+                hint = ("Something sets the gradients to 0 after backward(): clip_grad_norm_ with max_norm=0 (a "
+                        "config's 0 meant as 'no clipping': clip only when it is > 0), a grad.zero_() or a hook that "
+                        "scales them by 0. Or the loss reaches the weights only through an operation whose "
+                        "derivative is 0 (round, floor, sign, argmax, a hard threshold): train on what goes into it.")
         return [Finding("not_learning", "critical", why + ".", _steps_list(steps(run)[1:2]), hint=hint)]
     still, why = _weights_barely_move(run)
     t = _loss_trend(run)

@@ -3702,6 +3702,39 @@ def test_a_loss_that_does_not_depend_on_the_weights_is_told_so(tmp_path):
     assert "every gradient was exactly 0" in top[0].message and "does not depend on the weights" in top[0].hint
 
 
+def test_gradients_clipped_to_0_after_backward_are_told_apart_from_a_loss_without_weights(tmp_path):
+    """clip_grad_norm_ called with a config's max_grad_norm of 0, meant as 'no clipping': every gradient is
+    scaled to 0 after backward(), while the loss is there and varies by batch. The hint said the loss does not
+    depend on the weights; it now names what zeroes the gradients."""
+    from sklearn.datasets import load_digits
+
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=8))
+    tel.set_holdout_data((x[1000:1100], y[1000:1100]))
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # telemetry warns that every gradient is 0
+        for step in range(1, 121):
+            idx = torch.randint(0, 1000, (32,), generator=gen)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.0)
+            assert all(not p.grad.any() for p in model.parameters())
+            opt.step()
+            tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
+    tel.close()
+    top = at.diagnose(at.load_run(tmp_path, progress=False))
+    assert top[0].code == "not_learning", [f.code for f in top]
+    assert "while the train loss was there" in top[0].message and "clip_grad_norm_ with max_norm=0" in top[0].hint
+
+
 def test_nll_loss_on_raw_logits_is_named_not_the_learning_rate(tmp_path):
     """The digits MLP trained with F.nll_loss on its raw outputs (nll_loss expects log-probabilities): the
     loss is minus the label's output, which the model lowers by growing it without end, so the recorded
