@@ -4162,6 +4162,8 @@ def check_dead_output(run: Run) -> list:
     does. Standardised targets are negative about half the time; once every prediction is cut, nothing trains,
     and weight decay alone shrinks the weights."""
     h = holdout_data(run)
+    if h and h.kind == "classification" and len(h.raw) >= 3:
+        return _logits_cut_at_zero(h)
     if not h or h.kind != "regression" or not h.raw:
         return []
     late = h.raw[-max(3, len(h.raw) // 4):]
@@ -4183,6 +4185,36 @@ def check_dead_output(run: Run) -> list:
         _steps_list([int(st[np.argmax(v >= 1.0)])]), group=name,
         hint="Drop the activation after the output layer: a regression's prediction is its last Linear's output. "
              "For targets that must be positive, use softplus or predict their log.")]
+
+
+LOGITS_CUT = 0.3   # logits exactly 0 (none below) at this share or more: a Linear's outputs are never 0 so often
+
+
+def _logits_cut_at_zero(h: Holdout) -> list:
+    """dead_output for a classifier: none of the holdout's logits below 0 and LOGITS_CUT of them or more exactly 0,
+    at each of the last three evaluations. The logits pass through a ReLU (a loop of [Linear, ReLU] blocks adds
+    one after the last): a class whose logit falls below 0 gets no gradient back, and no class can be ruled out
+    below the others."""
+    shares = []
+    for ev in h.raw[-3:]:
+        z = holdout_logits_of(ev)
+        try:
+            z = np.array(z, dtype=float) if z is not None else None
+        except (ValueError, TypeError, OverflowError):
+            return []
+        if z is None or z.ndim != 2 or z.shape[1] < 2 or not z.size or not np.isfinite(z).all() or z.min() < 0:
+            return []
+        shares.append(float((z == 0).mean()))
+    if min(shares) < LOGITS_CUT:
+        return []
+    return [Finding(
+        "dead_output", "warning",
+        f"none of the holdout's logits is below 0, and {min(shares):.0%} or more of them are exactly 0 at each of "
+        f"its last three evaluations (steps {int(h.steps[-3])}-{int(h.steps[-1])}): the logits pass through a ReLU "
+        "(or a clamp at 0), which passes no gradient back where it cuts, so a class cannot be ruled out below 0.",
+        _steps_list([int(h.steps[-3])]),
+        hint="Drop the activation after the output layer: CrossEntropyLoss takes the last Linear's output as it is "
+             "(a loop that builds [Linear, ReLU] blocks adds one after the last one too).")]
 
 
 # A unit on a flat end (|tanh| > 0.99, sigmoid outside 0.01-0.99) passes under 2% of the gradient; at a
@@ -4448,8 +4480,8 @@ FINDINGS = {
                           "train loss never falls: clip_grad_norm_'s max_norm is too small"),
     "integer_targets": (("info",), "analyzer", "a regression's targets are whole numbers of a few values: class "
                         "indices fitted as numbers (right for an ordinal target, a mistake for classes)"),
-    "dead_output": (("critical",), "analyzer", "every regression prediction is 0: the output passes through a "
-                    "ReLU that never fires"),
+    "dead_output": (("warning", "critical"), "analyzer", "every regression prediction is 0: the output passes "
+                    "through a ReLU that never fires (critical); a classifier's logits pass through a ReLU"),
     "holdout_positions_untrained": (("warning", "critical"), "analyzer", "a language model's holdout is scored on "
                                     "a far larger share of positions than the training supervises: it measures "
                                     "what the training never teaches"),
@@ -4577,7 +4609,7 @@ CONSEQUENCES = {
     "gradients_clipped": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting"),
     # no gradient passes the cut output: nothing trains, weight decay alone shrinks the weights, the units die
     "dead_output": ("weights_collapsed", "not_learning", "loss_stalled", "holdout_at_chance", "forgetting",
-                    "vanishing_gradients", "dead_units", "unscaled_targets"),
+                    "vanishing_gradients", "dead_units", "unscaled_targets", "class_never_predicted"),
     # a loss that asks nothing of the predictions: what the model does with its units and the holdout follows
     "train_loss_near_zero": ("holdout_at_chance", "overfitting", "forgetting", "dead_units", "saturated_units",
                              "loss_stalled", "not_learning", "vanishing_gradients", "weights_collapsed"),

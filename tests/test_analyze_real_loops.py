@@ -1500,6 +1500,28 @@ def test_a_linear_decay_sized_in_epochs_is_a_collapsed_learning_rate(tmp_path):
     assert not loud(found)
 
 
+def test_logits_through_a_relu_are_named_before_the_units_it_kills(tmp_path):
+    """A digits classifier built as a loop of [Linear, ReLU] blocks, so its logits pass a ReLU too: most of them
+    are exactly 0, and a class whose logit went below 0 gets no gradient back (fresh accuracy far under the
+    same model without it). It was told of dead units and 'lower the learning rate'; dead_output now leads,
+    naming the ReLU after the output layer. The model without it is quiet."""
+    x, y = digit_pixels()
+    fresh = {}
+    for name, last in (("relu", [nn.ReLU()]), ("plain", [])):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10), *last)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        digit_epochs(tmp_path / name, model, opt, x, y, 10)
+        with torch.no_grad():
+            fresh[name] = float((model(x[1000:]).argmax(1) == y[1000:]).float().mean())
+    assert fresh["relu"] < fresh["plain"] - 0.1 and fresh["plain"] > 0.9
+    run, found = codes(tmp_path / "relu")
+    top = at.diagnose(run)[0]
+    assert top.code == "dead_output" and top.severity == "warning" and "pass through a ReLU" in top.message
+    run, found = codes(tmp_path / "plain")
+    assert not loud(found)
+
+
 def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
     """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
     stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The
