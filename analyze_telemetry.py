@@ -4187,6 +4187,59 @@ def check_dead_output(run: Run) -> list:
              "For targets that must be positive, use softplus or predict their log.")]
 
 
+# A regression's predictions held inside a squashing function's range while this share of its targets lies
+# outside it, by a squared distance of this share of their variance or more: the output cannot reach them.
+BOUNDED_OUTSIDE = 0.25
+BOUNDED_COST = 0.1
+_BOUNDS = ((0.0, 1.0, "[0, 1]", "a sigmoid"), (-1.0, 1.0, "[-1, 1]", "a tanh"),
+           (0.0, math.inf, "0 or more", "a ReLU or softplus"))
+
+
+def check_outputs_bounded(run: Run) -> list:
+    """A regression whose every holdout prediction of the last three evaluations lies in a squashing function's
+    range ([0, 1], [-1, 1], or 0 and up) while BOUNDED_OUTSIDE of its targets lie outside it, far enough that
+    the nearest prediction the output can give costs BOUNDED_COST of the targets' variance: an activation
+    after the output layer (kept from targets in [0, 1], say) that the standardised targets outgrow."""
+    h = holdout_data(run)
+    if not h or h.kind != "regression" or len(h.raw) < 3:
+        return []
+    targets, kept = _last_targets(h), []
+    for ev in h.raw[-3:]:
+        values = ev.get("predictions") if isinstance(ev.get("predictions"), list) else []
+        kept += [_num(v) for row in values for v in (row if isinstance(row, list) else [row])]
+    predictions = np.array(kept, dtype=float)
+    if not predictions.any():
+        return []   # every prediction 0: dead_output's
+    if len(predictions) < 10 or not np.isfinite(predictions).all() or len(targets) < 10:
+        return []
+    variance = _mean_variance(targets)
+    for lo, hi, where, what in _BOUNDS:
+        if predictions.min() < lo or predictions.max() > hi or not variance > 0:
+            continue
+        outside = float(np.mean((targets < lo) | (targets > hi)))
+        cost = float(np.mean(np.square(targets - np.clip(targets, lo, hi)))) / variance
+        # ... and the predictions press against the bound on each side the targets pass (within a twentieth of
+        # the targets' spread), with a spread of their own: a model that predicts about one value for every
+        # example (the targets' mean, inside the range by chance) has another cause
+        spread, near = math.sqrt(variance), []
+        for bound, beyond, edge in ((lo, targets < lo, predictions.min()), (hi, targets > hi, predictions.max())):
+            if math.isfinite(bound) and beyond.mean() >= 0.05:
+                near.append(abs(edge - bound) <= 0.05 * spread)
+        if outside < BOUNDED_OUTSIDE or cost < BOUNDED_COST or not all(near) or predictions.std() < 0.1 * spread:
+            return []
+        return [Finding(
+            "outputs_bounded", "warning",
+            f"every holdout prediction of the last three evaluations (steps {int(h.steps[-3])}-{int(h.steps[-1])}) "
+            f"lies in {where}, while {outside:.0%} of the targets lie outside it (from {_fmt(float(targets.min()))} "
+            f"to {_fmt(float(targets.max()))}): the output passes through an activation of that range ({what}), "
+            f"and the nearest predictions it "
+            f"can give cost {cost:.0%} of the targets' variance.",
+            _steps_list([int(h.steps[-3])]),
+            hint="Drop the activation after the output layer (a regression's prediction is its last Linear's output), "
+                 "or scale the targets into its range and the predictions back.")]
+    return []
+
+
 LOGITS_CUT = 0.3   # logits exactly 0 (none below) at this share or more: a Linear's outputs are never 0 so often
 
 
@@ -4375,7 +4428,7 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_future_visible,
           check_labels_not_shifted, check_labels_shifted_twice,
-          check_gradients_clipped, check_integer_targets, check_dead_output, check_gradient_cut,
+          check_gradients_clipped, check_integer_targets, check_dead_output, check_outputs_bounded, check_gradient_cut,
           check_weights_collapsed, check_not_learning,
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_outputs_off_scale,
@@ -4407,7 +4460,7 @@ STAGES = (
      "unscaled_targets",
      "eval_mode", "negative_loss",
      "constant_inputs", "future_visible", "labels_not_shifted", "labels_shifted_twice", "gradients_clipped",
-     "integer_targets", "dead_output", "gradient_cut",
+     "integer_targets", "dead_output", "outputs_bounded", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
      "holdout_positions_untrained", "class_imbalance", "class_never_predicted", "holdout_below_chance"),
@@ -4482,6 +4535,8 @@ FINDINGS = {
                         "indices fitted as numbers (right for an ordinal target, a mistake for classes)"),
     "dead_output": (("warning", "critical"), "analyzer", "every regression prediction is 0: the output passes "
                     "through a ReLU that never fires (critical); a classifier's logits pass through a ReLU"),
+    "outputs_bounded": (("warning",), "analyzer", "a regression's predictions stay in a sigmoid's, tanh's or "
+                        "ReLU's range while many of its targets lie outside it: an activation after the output layer"),
     "holdout_positions_untrained": (("warning", "critical"), "analyzer", "a language model's holdout is scored on "
                                     "a far larger share of positions than the training supervises: it measures "
                                     "what the training never teaches"),
@@ -4608,6 +4663,9 @@ CONSEQUENCES = {
     # steps of a fixed, tiny size: the weights stay where they started
     "gradients_clipped": ("not_learning", "loss_stalled", "holdout_at_chance", "forgetting"),
     # no gradient passes the cut output: nothing trains, weight decay alone shrinks the weights, the units die
+    # predictions that cannot reach the targets: what the holdout and the squashed units show follows
+    "outputs_bounded": ("holdout_at_chance", "loss_stalled", "saturated_units", "dead_units", "vanishing_gradients",
+                        "overfitting", "forgetting"),
     "dead_output": ("weights_collapsed", "not_learning", "loss_stalled", "holdout_at_chance", "forgetting",
                     "vanishing_gradients", "dead_units", "unscaled_targets", "class_never_predicted"),
     # a loss that asks nothing of the predictions: what the model does with its units and the holdout follows

@@ -1214,6 +1214,26 @@ def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     assert "no better than the" in top[0].message and "always predicting the targets' mean" in top[0].message
 
 
+def test_a_sigmoid_on_a_regression_of_standardised_targets_is_named(tmp_path):
+    """Diabetes on its ten features, standardised targets (half of them below 0), an MLP whose output ends in
+    a Sigmoid (kept from targets in [0, 1]): its predictions press against 0 and 1 and cannot reach the rest,
+    so it explains far less of the fresh examples' variance than the same MLP without it, and nothing was said.
+    outputs_bounded names the range; the plain model is quiet."""
+    x, y = diabetes(0, features=range(10))
+    run = dict(hidden=(32,), batch=16, steps=600, every=10, lr=3e-3)
+    r2 = {}
+    for name, init in (("sigmoid", lambda m: m.append(nn.Sigmoid())), ("plain", None)):
+        model = sklearn_run(tmp_path / name, x[:250], y[:250], (x[250:300], y[250:300]), init=init, **run)
+        with torch.no_grad():
+            r2[name] = 1 - F.mse_loss(model(x[300:])[:, 0], y[300:]).item() / y[300:].var(unbiased=False).item()
+    assert r2["sigmoid"] < r2["plain"] - 0.1
+    run, found = codes(tmp_path / "sigmoid")
+    top = at.diagnose(run)[0]
+    assert top.code == "outputs_bounded" and "lies in [0, 1]" in top.message
+    run, found = codes(tmp_path / "plain")
+    assert "outputs_bounded" not in found and not loud(found)
+
+
 def test_memorised_shuffled_labels_are_at_chance_not_an_oscillating_loss(tmp_path):
     """Breast cancer with the train labels permuted: a 256-256 MLP memorises them (train accuracy 1.0) and the
     holdout loss climbs steadily from log 2, with the churn of 60 examples changing sides around the climb.
