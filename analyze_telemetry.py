@@ -2642,15 +2642,22 @@ def check_exploding_gradients(run: Run) -> list:
     st, g, _ = _grad_series(run)
     if g is None or len(g) < 6:
         return []
-    found = [rule(t, _losses_at(run, t)) for t in _gradient_trends(run) for rule in (_grad_growth, _grad_jumps)]
+    # Where the trainer clips (run.json's clip_grad_norm: the records' norms are taken before it), a lone jump
+    # moves the weights no further than any clipped step: a batch the model gets sharply wrong late in a run
+    # does that, and only a norm that keeps growing, or a loss that blows up, is left to tell.
+    clipped = run.meta.get("clip_grad_norm") if _has_type(run.meta.get("clip_grad_norm"), (int, float)) else None
+    rules = (_grad_growth,) if clipped else (_grad_growth, _grad_jumps)
+    found = [rule(t, _losses_at(run, t)) for t in _gradient_trends(run) for rule in rules]
     found = [f for f in found + [_blown_up_loss(run, st, g)] if f]
     if not found:
         return []
     return [Finding(
         "exploding_gradients", "warning", "; ".join(text for text, _ in found) + ".",
         _steps_list(sorted(s for _, where in found for s in where)),
-        hint="Lower the learning rate, add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, and "
-             "check for unnormalised inputs or a loss that can blow up.")]
+        hint="Lower the learning rate, " + (f"add warmup (the trainer clips the gradients at {_fmt(clipped)} "
+                                            "already), " if clipped else
+                                            "add gradient clipping (clip_grad_norm_ to ~1.0), add warmup, ")
+             + "and check for unnormalised inputs or a loss that can blow up.")]
 
 
 def _loss_converged(loss: np.ndarray) -> bool:

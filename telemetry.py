@@ -5832,6 +5832,14 @@ class TrainingTelemetry:
 _LAZY_CLASSES: Dict[str, type] = {}
 
 
+def _record_clipping(telemetry: Any, max_norm: Any) -> None:
+    """run.json's clip_grad_norm: the total norm a trainer clips each step's gradients to (the HF Trainer's
+    max_grad_norm, Lightning's gradient_clip_val), where it clips; the records' norms are taken before it."""
+    if isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0 \
+            and math.isfinite(max_norm) and telemetry._active():
+        telemetry._files.update_info(clip_grad_norm=float(max_norm))
+
+
 def hf_callback_class() -> type:
     """The transformers.TrainerCallback subclass behind TrainingTelemetry.hf_callback(), made on first use."""
     if "hf" in _LAZY_CLASSES:
@@ -5886,6 +5894,7 @@ def hf_callback_class() -> type:
                 self.telemetry._clock.accumulation = max(int(getattr(args, "gradient_accumulation_steps", 1) or 1), 1)
                 self._before_clip = bool(args.max_grad_norm and args.max_grad_norm > 0) and \
                     getattr(optimizer, "scaler", None) is None and _rank_and_world()[1] == 1
+                _record_clipping(self.telemetry, args.max_grad_norm)
 
         def on_epoch_begin(self, args, state, control, **kwargs):
             self._epoch = int(state.epoch or 0)
@@ -6031,6 +6040,8 @@ def lightning_callback_class() -> type:
 
         def on_train_start(self, trainer, pl_module):  # the optimizers exist; no step yet
             self.telemetry.keep_initial_weights(pl_module, self._optimizer(trainer))
+            if str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").endswith("norm"):
+                _record_clipping(self.telemetry, getattr(trainer, "gradient_clip_val", None))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._batch_idx = batch_idx

@@ -348,6 +348,22 @@ def test_a_lone_gradient_spike_alert_is_a_note_and_one_the_run_confirms_folds(tm
     assert "telemetry alert grad_spike" in next(f for f in found if f.code == "exploding_gradients").message
 
 
+def test_lone_gradient_jumps_under_a_trainers_clipping_are_no_explosion(tmp_path):
+    """A fine-tune late in its run: most batches right (norms near 0.01), a few with one example sharply wrong
+    (norms 1000x that, back down at the next collection). The records' norms are taken before the trainer's
+    clipping (run.json's clip_grad_norm, as the HF and Lightning callbacks write it), which bounds each of
+    those steps: no exploding_gradients, where without clipping the jumps are one."""
+    recs = healthy_records()
+    for i in (70, 85, 100):
+        recs[i]["gradient_norm"] = {k: v * 1000 for k, v in recs[i]["gradient_norm"].items()}
+        recs[i]["loss"] *= 3   # the batch the model got wrong
+    meta = json.loads((write_run(tmp_path / "plain", recs) / "run.json").read_text())
+    plain = next(f for f in findings_of(tmp_path / "plain") if f.code == "exploding_gradients")
+    assert "jumped to" in plain.message and "add gradient clipping" in plain.hint
+    write_run(tmp_path / "clipped", recs, dict(meta, clip_grad_norm=1.0))
+    assert "exploding_gradients" not in {f.code for f in findings_of(tmp_path / "clipped")}
+
+
 def test_churn_is_no_finding_and_a_small_net_loss_is_info(tmp_path):
     recs = healthy_records()
     # two examples flip once each and come back: forgetting events, but churn, and a healthy run is quiet

@@ -74,6 +74,7 @@ def test_lightning_records_lightnings_own_gradient_norm(tmp_path):
     # pre-clip norm that Lightning's grad_norm reports there, not the clipped one.
     module, records, _ = fit(tmp_path, gradient_clip_val=0.05)
     assert [r["batch_idx"] for r in records] == [0, 2, 4]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["clip_grad_norm"] == 0.05
     assert max(module.norms) > 0.1
     for record in records:
         b = record["batch_idx"]

@@ -705,6 +705,7 @@ def test_trainer_clipping_records_the_norm_before_it(tmp_path):
         groups = [v for k, v in r["gradient_norm"].items() if k in ("lora_A", "lora_B")]
         assert rel(math.hypot(*groups), logged[r["step"]]) < 1e-5
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["clip_grad_norm"] == 0.05
 
 
 def test_conv_and_embedding_adapters_against_get_delta_weight(tmp_path):
