@@ -2339,6 +2339,7 @@ def _peak_loss(run: Run, level: float, train: bool = True):
 
 
 TRAIN_SCALE = 3.0   # a train loss this many times the holdout's per-example loss is on another scale
+WEIGHTED_SCALE = 1.5   # ... for the blow-up's level: a loss weighted per class starts this far above or more
 
 
 def _paired_losses(run: Run, h: Holdout) -> np.ndarray:
@@ -2349,9 +2350,10 @@ def _paired_losses(run: Run, h: Holdout) -> np.ndarray:
     return pairs[np.isfinite(pairs).all(axis=1)] if len(pairs) else pairs.reshape(0, 3)
 
 
-def _train_loss_on_another_scale(run: Run, untrained: float) -> bool:
+def _train_loss_on_another_scale(run: Run, untrained: float, scale: float = TRAIN_SCALE, first: int = 0) -> bool:
     """Whether the recorded train loss is on another scale than a per-example mean (a loss summed over the
-    batch, reduction="sum"): over the first fifth of the run it is typically (the median) TRAIN_SCALE times
+    batch, reduction="sum"): over the first fifth of the run (or its `first` collections) it is typically
+    (the median) `scale` times
     the holdout's own per-example loss at the same collections and as far above `untrained`, the level of a
     model that knows nothing, while that holdout loss stays below a blow-up's 1.5x `untrained`. A mean over a
     batch and a mean over the holdout of the same weights differ by their sampling noise, not threefold over
@@ -2362,10 +2364,10 @@ def _train_loss_on_another_scale(run: Run, untrained: float) -> bool:
     pairs = _paired_losses(run, h)
     if len(pairs) < 5:
         return False
-    early = pairs[:max(3, int(math.ceil(0.2 * len(pairs))))]
+    early = pairs[:first or max(3, int(math.ceil(0.2 * len(pairs))))]
     tr, ho = early[:, 0], early[:, 1]
-    return bool(np.median(tr) >= TRAIN_SCALE * untrained and np.median(ho) < 1.5 * untrained
-                and (ho > 0).all() and np.median(tr / ho) >= TRAIN_SCALE)
+    return bool(np.median(tr) >= scale * untrained and np.median(ho) < 1.5 * untrained
+                and (ho > 0).all() and np.median(tr / ho) >= scale)
 
 
 def _began_with_a_bad_batch(run: Run, onset: int) -> bool:
@@ -2399,7 +2401,10 @@ def check_loss_diverging(run: Run) -> list:
     # only a blow-up makes of a fresh one (the healthy corpus runs never pass 1.11x), and still being at the
     # chance level at the end means it never recovered. Both compare per-example losses: a train loss on
     # another scale (summed over the batch) is left out, and the holdout's own loss says where the model ended.
-    per_example = untrained is not None and not _train_loss_on_another_scale(run, untrained)
+    # Here a loss 1.5x the holdout's at the first collections is on another scale too: weighted by class
+    # without a normalisation (BCEWithLogitsLoss's pos_weight, 19 for 5% positives, starts near twice log 2),
+    # its level for an untrained model is its own, and 1.5x log K is no blow-up of it.
+    per_example = untrained is not None and not _train_loss_on_another_scale(run, untrained, WEIGHTED_SCALE, 3)
     peak = _peak_loss(run, 1.5 * untrained, train=per_example) if untrained else None
     if per_example:
         end, end_what = t.last, "the train loss is still {} over the last fifth of the run"

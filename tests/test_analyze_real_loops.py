@@ -1189,6 +1189,48 @@ def test_a_noise_robust_loss_on_noisy_labels_is_no_overfitting(tmp_path):
     assert "overfitting" not in found and not loud(found)
 
 
+def test_a_loss_weighted_by_pos_weight_is_on_its_own_scale_not_diverging(tmp_path):
+    """Breast cancer on three weak features, malignant kept to 5% of the training set, one logit trained with
+    BCEWithLogitsLoss(pos_weight=17): an untrained model scores about twice log 2 on that loss, and a batch
+    with a few more positives than usual scores higher still. Against log 2 that read as a blow-up never
+    recovered from (loss_diverging); the holdout's first losses, at log 2 while the train loss's are far
+    above, put the train loss on a scale of its own. The model learns (fresh balanced accuracy over 0.7)."""
+    from sklearn.datasets import load_breast_cancer
+
+    from telemetry import TrainingTelemetry
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x = x[:, [4, 8, 9]]
+    x, y = torch.tensor((x - x.mean(0)) / x.std(0), dtype=torch.float32), torch.tensor((y == 0).astype(int))
+    rng = np.random.RandomState(0)
+    rare, common = rng.permutation(np.flatnonzero(y == 1)), rng.permutation(np.flatnonzero(y == 0))
+    hold, fresh = np.r_[rare[:5], common[:45]], np.r_[rare[5:80], common[45:150]]
+    train = torch.tensor(np.r_[rare[80:92], common[150:]])
+    pos_weight = (y[train] == 0).sum() / (y[train] == 1).sum()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
+    tel.set_holdout_data((x[hold], y[hold].float()))
+    gen = torch.Generator().manual_seed(0)
+    for epoch in range(40):
+        order = train[torch.randperm(len(train), generator=gen)]
+        for i, start in enumerate(range(0, len(order), 32)):
+            idx = order[start:start + 32]
+            loss = F.binary_cross_entropy_with_logits(model(x[idx])[:, 0], y[idx].float(), pos_weight=pos_weight)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx].float()), loss=loss)
+    tel.close()
+    with torch.no_grad():
+        predicted, truth = (model(x[fresh])[:, 0] > 0).long(), y[fresh]
+    assert 0.5 * float((predicted[truth == 1] == 1).float().mean() + (predicted[truth == 0] == 0).float().mean()) > 0.7
+    run, found = codes(tmp_path)
+    assert at.column(run, "loss")[0] > 1.5 * math.log(2) > 1.2 * at.holdout_data(run).loss[0]
+    assert "loss_diverging" not in found and not loud(found)
+
+
 def test_a_regression_that_beats_the_mean_is_not_at_chance(tmp_path):
     """An MLP on four diabetes features explains ~20% of the 40-example holdout's variance and 38% of the 142
     fresh examples': a sound, weak fit. Its squared errors are heavy-tailed, so 2 standard errors of the
