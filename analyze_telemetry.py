@@ -1036,6 +1036,28 @@ def _optimizer_holds_none(run: Run) -> bool:
     return isinstance(run.meta.get("groups"), dict) and not any(_count(info, "tensors") for info in groups.values())
 
 
+def check_unregistered_parameters(run: Run) -> list:
+    """Trainable tensors a module holds in a plain Python list, tuple or dict (run.json's unregistered, as
+    telemetry.py finds them: they got gradients and are no parameters of the model): an optimizer built from
+    model.parameters() never steps them, so those layers keep their initial weights while the rest trains
+    around them."""
+    info = run.meta.get("unregistered")
+    held = {_text(k): v for k, v in info.items() if isinstance(v, list) and len(v) == 2
+            and all(_has_type(x, int) for x in v)} if isinstance(info, dict) else {}
+    if not held:
+        return []
+    said = "; ".join(f"{path} ({n} tensor(s), {_fmt(elements)} weights)" for path, (n, elements) in
+                     list(held.items())[:4])
+    return [Finding(
+        "unregistered_parameters", "warning",
+        f"the model holds trainable tensors in a plain Python list, tuple or dict: {said}. They got gradients, "
+        "but they are no parameters of the model, so an optimizer built from model.parameters() never steps "
+        "them: those layers keep their random initial weights while the rest trains around them.",
+        _steps_list(steps(run)[:1]),
+        hint="Hold them in nn.ModuleList (or nn.ModuleDict, nn.ParameterList): self.hidden = "
+             "nn.ModuleList([nn.Linear(64, 64) for _ in range(3)]). Then build the optimizer again.")]
+
+
 def check_not_in_optimizer(run: Run) -> list:
     """Trainable tensors that no optimizer param group holds: nothing updates them, and zero_grad() skips
     them, so their .grad keeps growing with every backward()."""
@@ -4433,7 +4455,8 @@ def check_metric_errors(run: Run) -> list:
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scratch, check_weights_rolled_back,
           check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
-          check_not_in_optimizer, check_frozen_parameters, check_lr_zero, check_lr_collapsed, check_lr_below_base,
+          check_unregistered_parameters, check_not_in_optimizer, check_frozen_parameters, check_lr_zero,
+          check_lr_collapsed, check_lr_below_base,
           check_low_precision_updates,
           check_lr_schedule_restarted, check_dropout_too_high,
           check_ignored_group_key, check_softmax_over_batch, check_probability_outputs, check_lora,
@@ -4464,7 +4487,8 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # under it, not beside it.
 STAGES = (
     ("section_failed", "optimizers_in_turn", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
-     "accumulation_discarded", "missing_gradients", "not_in_optimizer", "frozen_parameters", "lr_zero",
+     "accumulation_discarded", "missing_gradients", "unregistered_parameters", "not_in_optimizer",
+     "frozen_parameters", "lr_zero",
      "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates",
      "lr_schedule_restarted", "dropout_too_high",
      "batchnorm_small_batches",
@@ -4506,6 +4530,8 @@ FINDINGS = {
                                "accumulation"),
     "missing_gradients": (("warning", "critical"), "analyzer", "gradients absent when the hook ran: it was "
                           "called after zero_grad, or a group never gets a gradient"),
+    "unregistered_parameters": (("warning",), "analyzer", "trainable layers held in a plain Python list or dict, "
+                                "not nn.ModuleList: no parameters of the model, so the optimizer never steps them"),
     NOT_IN_OPTIMIZER: (("warning",), "analyzer", "trainable tensors that no optimizer group holds: they never "
                        "change"),
     "frozen_parameters": (("warning", "critical"), "analyzer", "requires_grad is off for a share of a group "
@@ -4644,6 +4670,8 @@ CONSEQUENCES = {
     "lr_zero": _UNTRAINED_PART + ("not_learning", "lora_not_learning"),
     # a LoRA adapter that does not learn while some tensors are in no optimizer group: they are its own
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
+    # layers that keep their initial weights: the model learns only what the others can, slowly
+    "unregistered_parameters": _UNTRAINED_PART + ("not_learning",),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # each record sees one optimizer: the others' tensors are in none, the batch is passed twice, deltas restart

@@ -3554,6 +3554,28 @@ def _lora_partition(model, params, first: Dict[str, List[int]]) -> Dict[str, Lis
             if idx and first.get(g) != idx and not (g == "other" and idx in same)}
 
 
+def unregistered_parameters(model: torch.nn.Module) -> Dict[str, List[int]]:
+    """{attribute path: [tensors, elements]} of trainable tensors that a module holds in a plain list, tuple or
+    dict (of modules or parameters) rather than an nn.ModuleList, ModuleDict or ParameterList, that got a
+    gradient and are not parameters of the model: the forward uses them, and model.parameters() (the
+    optimizer built from it), .to() and state_dict() never see them. A plain list of modules that are
+    registered elsewhere, or of frozen ones (a teacher kept out of the state_dict), is left out."""
+    registered = {id(p) for p in model.parameters()}
+    out: Dict[str, List[int]] = {}
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or not isinstance(value, (list, tuple, dict)):
+                continue
+            tensors = [p for item in (value.values() if isinstance(value, dict) else value)
+                       for p in (item.parameters() if isinstance(item, torch.nn.Module) else
+                                 [item] if isinstance(item, torch.nn.Parameter) else [])
+                       if p.requires_grad and p.grad is not None and id(p) not in registered]
+            registered.update(id(p) for p in tensors)
+            if tensors:
+                out[f"{name}.{attr}" if name else attr] = [len(tensors), sum(p.numel() for p in tensors)]
+    return out
+
+
 def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partitions: List[dict]) -> Dict[str, Any]:
     """What run.json says about the parameters and groups: per group its trainable tensors and, where some
     of its parameters are frozen (requires_grad=False), those too; trainable tensors outside the optimizer."""
@@ -5709,6 +5731,17 @@ class TrainingTelemetry:
                 self._alerts.measured_other_tensors()
                 self._reference.trainable_changed = True
             self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
+            unregistered = unregistered_parameters(model)
+            if unregistered:
+                self._files.update_info(unregistered=unregistered)
+                said = "; ".join(f"{path} ({n} tensor(s), {elements:,} elements)"
+                                 for path, (n, elements) in list(unregistered.items())[:4])
+                self._warn("unregistered", f"telemetry: the model holds trainable tensors in a plain Python list, "
+                                           f"tuple or dict: {said}. They get gradients but are no parameters of the "
+                                           "model: an optimizer built from model.parameters() never steps them, "
+                                           ".to() does not move them and state_dict() does not save them. Hold "
+                                           "them in nn.ModuleList, nn.ModuleDict or nn.ParameterList (run.json "
+                                           "lists them under unregistered).")
             if self._layout.outside:
                 names = [n for n, _ in self._layout.outside]
                 listed = f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"

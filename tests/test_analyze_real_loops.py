@@ -1584,6 +1584,53 @@ def test_logits_through_a_relu_are_named_before_the_units_it_kills(tmp_path):
     assert not loud(found)
 
 
+def test_hidden_layers_in_a_plain_list_are_named_unregistered(tmp_path):
+    """A digits MLP whose hidden layers sit in a plain Python list, not nn.ModuleList: they are no parameters
+    of the model, so the optimizer built from model.parameters() never steps them; they keep their random
+    weights (fresh accuracy far under the same model with a ModuleList) and nothing was said. Telemetry finds
+    them holding gradients, lists them in run.json and warns; the analyzer leads with them. The ModuleList
+    twin, which also keeps a frozen teacher in a plain list (out of its state_dict on purpose), is quiet."""
+    x, y = digit_pixels()
+
+    class Net(nn.Module):
+        def __init__(self, registered):
+            super().__init__()
+            self.inp, self.out = nn.Linear(64, 64), nn.Linear(64, 10)
+            hidden = [nn.Linear(64, 64) for _ in range(2)]
+            self.hidden = nn.ModuleList(hidden) if registered else hidden
+            self.teacher = [nn.Linear(64, 10).requires_grad_(False)] if registered else []
+
+        def forward(self, inputs):
+            h = F.relu(self.inp(inputs))
+            for layer in self.hidden:
+                h = F.relu(layer(h))
+            return self.out(h) + (0 * self.teacher[0](inputs) if self.teacher else 0)
+
+    fresh = {}
+    for name, registered in (("list", False), ("modulelist", True)):
+        torch.manual_seed(0)
+        model = Net(registered)
+        kept = [layer.weight.detach().clone() for layer in model.hidden]
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            digit_epochs(tmp_path / name, model, opt, x, y, 8)
+        with torch.no_grad():
+            fresh[name] = float((model(x[1000:]).argmax(1) == y[1000:]).float().mean())
+        unregistered = json.loads((tmp_path / name / "run.json").read_text()).get("unregistered")
+        if registered:
+            assert unregistered is None and not [w for w in said if "plain Python list" in str(w.message)]
+        else:
+            assert all(torch.equal(k, layer.weight) for k, layer in zip(kept, model.hidden))   # never stepped
+            assert unregistered == {"hidden": [4, sum(p.numel() for layer in model.hidden for p in layer.parameters())]}
+            assert [w for w in said if "plain Python list" in str(w.message)]
+    assert fresh["list"] < fresh["modulelist"]
+    run, found = codes(tmp_path / "list")
+    assert at.diagnose(run)[0].code == "unregistered_parameters"
+    run, found = codes(tmp_path / "modulelist")
+    assert not loud(found)
+
+
 def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
     """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
     stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The
