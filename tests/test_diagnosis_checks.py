@@ -335,7 +335,8 @@ def test_an_imbalance_the_holdout_shares_explains_nothing_about_the_holdout(tmp_
     real, but a holdout at chance (its labels shuffled) and its rising loss are not its doing, so they stand
     as their own root; and the rare classes' recall on shuffled labels (0% of 18 against 15% of 82, 1.7
     sigmas apart) is no evidence of harm, so no class_imbalance is told. Train batches of classes 0-2
-    against a holdout of all ten: the holdout's rising loss is the imbalance's."""
+    against a holdout of all ten: the imbalance leads, and the holdout's loss, rising from an untrained
+    model's, is no overfitting of its own (stopping at that best keeps an untrained model)."""
     x, y = digits
     keep = (y < 5).numpy() | (np.random.RandomState(3).rand(len(y)) < 0.25)
     pool = np.flatnonzero(keep[:600])
@@ -353,9 +354,9 @@ def test_an_imbalance_the_holdout_shares_explains_nothing_about_the_holdout(tmp_
 
     few = np.flatnonzero(y[:600].numpy() < 3)
     path = train(tmp_path / "apart", digits, mlp(), order=lambda step, rng: rng.choice(few, 32), opt="adam", lr=3e-3)
-    top, _ = first_loud(path)
+    top, found = first_loud(path)
     assert top.code == "class_imbalance" and "of the holdout" in top.message
-    assert {"overfitting"} <= {c.code for c in top.consequences}, [(f.code, f.message) for f in found]
+    assert "overfitting" not in {f.code for f in found if f is not top}, [(f.code, f.message) for f in found]
 
 
 class Detached(nn.Module):
