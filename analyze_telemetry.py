@@ -1036,6 +1036,45 @@ def _optimizer_holds_none(run: Run) -> bool:
     return isinstance(run.meta.get("groups"), dict) and not any(_count(info, "tensors") for info in groups.values())
 
 
+# Adam's step per element is about lr * m / (sqrt(v) + eps): with eps this many times the gradients' typical
+# size (their rms per element) or more, eps is the denominator and the steps shrink by that much.
+EPS_DOMINATES = 10.0
+EPS_LARGE = 1e-3   # ... and is this large: a small eps over tiny gradients (a large model's adapters) is a choice
+
+
+def check_adam_eps_dominates(run: Run) -> list:
+    """An Adam-like optimizer (a group with betas and eps in run.json's optimizer_settings) whose eps is
+    EPS_DOMINATES times the group's gradients or more, per element (the median over the run of the recorded
+    norm over the square root of its elements): its steps are lr * gradient / eps, those of SGD at a rate
+    eps times smaller, not the lr-sized steps Adam is chosen for. An eps of 1 (TensorFlow's recipe for one
+    model, or 1e-0 for 1e-8) on ordinary gradients."""
+    settings = run.meta.get("optimizer_settings") if isinstance(run.meta.get("optimizer_settings"), dict) else {}
+    groups = run.meta.get("groups") if isinstance(run.meta.get("groups"), dict) else {}
+    found = []
+    for g, values in settings.items():
+        eps = values.get("eps") if isinstance(values, dict) and "betas" in values else None
+        elements = _get(groups, [g, "elements"])
+        norms = _finite(column(run, ("gradient_norm", g))[1:])
+        if not (_has_type(eps, (int, float)) and eps > 0 and _has_type(elements, int) and elements > 0
+                and len(norms) >= 5):
+            continue
+        rms = float(np.median(norms)) / math.sqrt(elements)
+        if 0 < rms and eps >= max(EPS_DOMINATES * rms, EPS_LARGE):
+            found.append((_text(g), float(eps), rms))
+    if not found:
+        return []
+    g, eps, rms = max(found, key=lambda f: f[1] / f[2])
+    return [Finding(
+        "adam_eps_dominates", "warning",
+        f"group '{g}''s eps is {_fmt(eps)}, {eps / rms:,.0f}x its gradients' typical size per element "
+        f"({_fmt(rms)}, the median norm over the run over the square root of its weights): eps is the "
+        f"denominator of each step, which shrinks by that much, from lr-sized steps to lr x gradient / eps"
+        + (f" (and {len(found) - 1} more group(s) so)" if len(found) > 1 else "") + ".",
+        _steps_list(steps(run)[:1]), group=g,
+        hint="Use Adam's eps as it comes (1e-8; 1e-6 under fp16): it only keeps the division safe. An eps of 1 or "
+             "0.1 turns Adam into SGD at a rate eps times smaller.")]
+
+
 def check_unregistered_parameters(run: Run) -> list:
     """Trainable tensors a module holds in a plain Python list, tuple or dict (run.json's unregistered, as
     telemetry.py finds them: they got gradients and are no parameters of the model): an optimizer built from
@@ -4457,7 +4496,7 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
           check_unregistered_parameters, check_not_in_optimizer, check_frozen_parameters, check_lr_zero,
           check_lr_collapsed, check_lr_below_base,
-          check_low_precision_updates,
+          check_low_precision_updates, check_adam_eps_dominates,
           check_lr_schedule_restarted, check_dropout_too_high,
           check_ignored_group_key, check_softmax_over_batch, check_probability_outputs, check_lora,
           check_frozen_groups, check_eval_mode,
@@ -4489,7 +4528,7 @@ STAGES = (
     ("section_failed", "optimizers_in_turn", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
      "accumulation_discarded", "missing_gradients", "unregistered_parameters", "not_in_optimizer",
      "frozen_parameters", "lr_zero",
-     "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates",
+     "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates", "adam_eps_dominates",
      "lr_schedule_restarted", "dropout_too_high",
      "batchnorm_small_batches",
      "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "outputs_off_scale",
@@ -4530,6 +4569,8 @@ FINDINGS = {
                                "accumulation"),
     "missing_gradients": (("warning", "critical"), "analyzer", "gradients absent when the hook ran: it was "
                           "called after zero_grad, or a group never gets a gradient"),
+    "adam_eps_dominates": (("warning",), "analyzer", "an Adam-like optimizer's eps is many times its gradients' "
+                           "size per element: its steps shrink from lr-sized to lr x gradient / eps"),
     "unregistered_parameters": (("warning",), "analyzer", "trainable layers held in a plain Python list or dict, "
                                 "not nn.ModuleList: no parameters of the model, so the optimizer never steps them"),
     NOT_IN_OPTIMIZER: (("warning",), "analyzer", "trainable tensors that no optimizer group holds: they never "
@@ -4672,6 +4713,8 @@ CONSEQUENCES = {
     "not_in_optimizer": _UNTRAINED_PART + ("lora_not_learning",),
     # layers that keep their initial weights: the model learns only what the others can, slowly
     "unregistered_parameters": _UNTRAINED_PART + ("not_learning",),
+    # steps far smaller than the learning rate says: a run that learns slowly or not at all
+    "adam_eps_dominates": _UNTRAINED_PART + ("not_learning", "vanishing_gradients", "lr_below_base"),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # each record sees one optimizer: the others' tensors are in none, the batch is passed twice, deltas restart

@@ -3272,6 +3272,7 @@ class _Layout:
     ignored: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)  # see ignored_group_keys
     # optimizer group -> the lr its scheduler started from (the key LR schedulers add to a param group)
     initial_lrs: Dict[str, float] = dataclasses.field(default_factory=dict)
+    settings: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)  # see _group_settings
     max_lrs: Dict[str, float] = dataclasses.field(default_factory=dict)  # the peak OneCycleLR puts in a group
     row_cache: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     # device -> by_group's rows there: the overall one (the first partition's rows added up), then the membership
@@ -3437,6 +3438,7 @@ def build_layout(model: torch.nn.Module, optimizer: Any, config: TelemetryConfig
     layout.initial_lrs, layout.max_lrs = ({n: float(g[key]) for n, g in zip(opt_names, opt_groups)
                                            if type(g.get(key)) in (int, float) and math.isfinite(g[key])}
                                           for key in ("initial_lr", "max_lr"))
+    layout.settings = {n: settings for n, g in zip(opt_names, opt_groups) if (settings := _group_settings(g))}
     model_ids = {id(p) for _, p in every}
     if held:  # else the optimizer holds copies of the weights (master weights), not the model's tensors
         layout.beyond = [(opt_names[gi], p) for gi, g in enumerate(opt_groups) for p in g["params"]
@@ -3554,6 +3556,22 @@ def _lora_partition(model, params, first: Dict[str, List[int]]) -> Dict[str, Lis
             if idx and first.get(g) != idx and not (g == "other" and idx in same)}
 
 
+_GROUP_SETTINGS = ("betas", "eps", "momentum", "weight_decay")
+
+
+def _group_settings(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A param group's settings that say how its steps are made, as numbers (run.json's optimizer_settings):
+    Adam's betas and eps, SGD's momentum, the weight decay. Tensor-valued ones are left out."""
+    out: Dict[str, Any] = {}
+    for key in _GROUP_SETTINGS:
+        value = group.get(key)
+        if type(value) in (int, float) and math.isfinite(value):
+            out[key] = float(value)
+        elif isinstance(value, (tuple, list)) and value and all(type(v) in (int, float) for v in value):
+            out[key] = [float(v) for v in value]
+    return out
+
+
 def unregistered_parameters(model: torch.nn.Module) -> Dict[str, List[int]]:
     """{attribute path: [tensors, elements]} of trainable tensors that a module holds in a plain list, tuple or
     dict (of modules or parameters) rather than an nn.ModuleList, ModuleDict or ParameterList, that got a
@@ -3606,6 +3624,8 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
         info["initial_lrs"] = layout.initial_lrs
     if layout.max_lrs:
         info["max_lrs"] = layout.max_lrs
+    if layout.settings:
+        info["optimizer_settings"] = layout.settings
     if layout.complex:
         info["complex"] = count(layout.complex)
     if layout.beyond:

@@ -1631,6 +1631,32 @@ def test_hidden_layers_in_a_plain_list_are_named_unregistered(tmp_path):
     assert not loud(found)
 
 
+def test_an_adam_eps_of_1_is_named_before_the_stall_it_makes(tmp_path):
+    """Adam(lr=1e-3, eps=1.0), eps meant 1e-8: each step is lr x gradient / eps, hundreds of times smaller than
+    Adam's, and the digits MLP stays at chance (fresh accuracy) where eps=1e-8 learns. It was told the holdout
+    is at chance and 'raise the learning rate'; run.json now holds each group's betas, eps and weight decay,
+    and adam_eps_dominates leads. The default eps is quiet."""
+    x, y = digit_pixels()
+    fresh = {}
+    for name, eps in (("eps1", 1.0), ("default", 1e-8)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
+        digit_epochs(tmp_path / name, model, opt, x, y, 6)
+        with torch.no_grad():
+            fresh[name] = float((model(x[1000:]).argmax(1) == y[1000:]).float().mean())
+        settings = json.loads((tmp_path / name / "run.json").read_text())["optimizer_settings"]
+        group = opt.param_groups[0]
+        assert settings == {"group_0": {"betas": list(group["betas"]), "eps": group["eps"],
+                                        "weight_decay": group["weight_decay"]}}
+    assert fresh["eps1"] < 0.5 < 0.9 < fresh["default"]
+    run, found = codes(tmp_path / "eps1")
+    top = at.diagnose(run)[0]
+    assert top.code == "adam_eps_dominates" and "holdout_at_chance" in {f.code for f in top.consequences}
+    run, found = codes(tmp_path / "default")
+    assert not loud(found)
+
+
 def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
     """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
     stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The
