@@ -1075,6 +1075,37 @@ def check_adam_eps_dominates(run: Run) -> list:
              "0.1 turns Adam into SGD at a rate eps times smaller.")]
 
 
+BETAS_GROWTH = 5.0   # the weights' norm grew this many times over the run under unstable betas
+
+
+def check_adam_betas_unstable(run: Run) -> list:
+    """An Adam-like group whose betas break Adam's bound beta1 < sqrt(beta2) (betas swapped: (0.999, 0.9)),
+    and whose weights' norm grew BETAS_GROWTH times from the first collection to the run's last fifth: with
+    the second moment averaged over fewer steps than the first, |m| / sqrt(v) is unbounded, and the steps
+    outgrow the learning rate while the gradients stay ordinary."""
+    settings = run.meta.get("optimizer_settings") if isinstance(run.meta.get("optimizer_settings"), dict) else {}
+    for g, values in settings.items():
+        betas = values.get("betas") if isinstance(values, dict) else None
+        if not (isinstance(betas, list) and len(betas) == 2 and all(_has_type(b, (int, float)) for b in betas)
+                and 0 <= betas[1] < 1 and betas[0] >= math.sqrt(betas[1])):
+            continue
+        norm = _finite(column(run, ("weight_norm", g)))
+        if len(norm) < 5 or not norm[0] > 0:
+            continue
+        grown = _edge_median(norm, "last") / norm[0]
+        if grown < BETAS_GROWTH:
+            continue
+        return [Finding(
+            "adam_betas_unstable", "warning",
+            f"group '{_text(g)}''s betas are ({_fmt(betas[0])}, {_fmt(betas[1])}): beta1 is not below sqrt(beta2) "
+            f"({_fmt(math.sqrt(betas[1]))}), Adam's bound for steps no larger than the learning rate, and the "
+            f"group's weights grew {grown:,.0f}x in norm over the run, from {_fmt(float(norm[0]))} to "
+            f"{_fmt(_edge_median(norm, 'last'))}.", _steps_list(steps(run)[:1]), group=_text(g),
+            hint="betas=(0.9, 0.999) as Adam has them: beta1 averages the gradients, beta2 their squares over more "
+                 "steps. Swapped, the steps outgrow the learning rate.")]
+    return []
+
+
 def check_unregistered_parameters(run: Run) -> list:
     """Trainable tensors a module holds in a plain Python list, tuple or dict (run.json's unregistered, as
     telemetry.py finds them: they got gradients and are no parameters of the model): an optimizer built from
@@ -4496,7 +4527,7 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
           check_unregistered_parameters, check_not_in_optimizer, check_frozen_parameters, check_lr_zero,
           check_lr_collapsed, check_lr_below_base,
-          check_low_precision_updates, check_adam_eps_dominates,
+          check_low_precision_updates, check_adam_eps_dominates, check_adam_betas_unstable,
           check_lr_schedule_restarted, check_dropout_too_high,
           check_ignored_group_key, check_softmax_over_batch, check_probability_outputs, check_lora,
           check_frozen_groups, check_eval_mode,
@@ -4529,6 +4560,7 @@ STAGES = (
      "accumulation_discarded", "missing_gradients", "unregistered_parameters", "not_in_optimizer",
      "frozen_parameters", "lr_zero",
      "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates", "adam_eps_dominates",
+     "adam_betas_unstable",
      "lr_schedule_restarted", "dropout_too_high",
      "batchnorm_small_batches",
      "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "outputs_off_scale",
@@ -4571,6 +4603,8 @@ FINDINGS = {
                           "called after zero_grad, or a group never gets a gradient"),
     "adam_eps_dominates": (("warning",), "analyzer", "an Adam-like optimizer's eps is many times its gradients' "
                            "size per element: its steps shrink from lr-sized to lr x gradient / eps"),
+    "adam_betas_unstable": (("warning",), "analyzer", "an Adam-like optimizer's beta1 is not below sqrt(beta2) "
+                            "(betas swapped) and the weights grew many times over"),
     "unregistered_parameters": (("warning",), "analyzer", "trainable layers held in a plain Python list or dict, "
                                 "not nn.ModuleList: no parameters of the model, so the optimizer never steps them"),
     NOT_IN_OPTIMIZER: (("warning",), "analyzer", "trainable tensors that no optimizer group holds: they never "
@@ -4715,6 +4749,8 @@ CONSEQUENCES = {
     "unregistered_parameters": _UNTRAINED_PART + ("not_learning",),
     # steps far smaller than the learning rate says: a run that learns slowly or not at all
     "adam_eps_dominates": _UNTRAINED_PART + ("not_learning", "vanishing_gradients", "lr_below_base"),
+    # steps that outgrow the learning rate: what a blow-up brings
+    "adam_betas_unstable": _AFTER_A_BLOWUP + ("outputs_off_scale",),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # each record sees one optimizer: the others' tensors are in none, the batch is passed twice, deltas restart

@@ -1657,6 +1657,29 @@ def test_an_adam_eps_of_1_is_named_before_the_stall_it_makes(tmp_path):
     assert not loud(found)
 
 
+def test_adam_betas_swapped_are_named_by_the_weights_they_blow_up(tmp_path):
+    """Adam(betas=(0.999, 0.9)), the two swapped: beta1 is above sqrt(beta2), Adam's steps are no longer
+    bounded by the learning rate, and the digits MLP's weights grow hundreds of times in norm while its
+    gradients stay ordinary; nothing was said. adam_betas_unstable names the betas; (0.9, 0.999) is quiet."""
+    x, y = digit_pixels()
+    fresh = {}
+    for name, betas in (("swapped", (0.999, 0.9)), ("default", (0.9, 0.999))):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        start = torch.nn.utils.get_total_norm(list(model.parameters())).item()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=betas)
+        digit_epochs(tmp_path / name, model, opt, x, y, 10)
+        grown = torch.nn.utils.get_total_norm(list(model.parameters())).item() / start
+        with torch.no_grad():
+            fresh[name] = F.cross_entropy(model(x[1000:]), y[1000:]).item()
+        assert (grown > 10) == (name == "swapped")
+    assert fresh["swapped"] > fresh["default"]   # fresh NLL
+    run, found = codes(tmp_path / "swapped")
+    assert at.diagnose(run)[0].code == "adam_betas_unstable"
+    run, found = codes(tmp_path / "default")
+    assert not loud(found)
+
+
 def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
     """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
     stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The
