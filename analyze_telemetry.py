@@ -4336,8 +4336,7 @@ def check_outputs_bounded(run: Run) -> list:
             f"every holdout prediction of the last three evaluations (steps {int(h.steps[-3])}-{int(h.steps[-1])}) "
             f"lies in {where}, while {outside:.0%} of the targets lie outside it (from {_fmt(float(targets.min()))} "
             f"to {_fmt(float(targets.max()))}): the output passes through an activation of that range ({what}), "
-            f"and the nearest predictions it "
-            f"can give cost {cost:.0%} of the targets' variance.",
+            f"and the nearest predictions it can give cost {cost:.0%} of the targets' variance.",
             _steps_list([int(h.steps[-3])]),
             hint="Drop the activation after the output layer (a regression's prediction is its last Linear's output), "
                  "or scale the targets into its range and the predictions back.")]

@@ -1065,6 +1065,48 @@ def test_lbfgs_stopped_at_its_tolerance_is_converged_not_stuck(tmp_path):
     assert "not_learning" not in found and not loud(found)
 
 
+def rare_malignant(rare_held):
+    """Breast cancer on three weak features (smoothness, symmetry, fractal dimension), standardised, malignant
+    as class 1 and kept to 5% of the training set: (x, y, holdout indices with `rare_held` malignant among 50,
+    fresh indices, training indices)."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x = x[:, [4, 8, 9]]
+    x, y = torch.tensor((x - x.mean(0)) / x.std(0), dtype=torch.float32), torch.tensor((y == 0).astype(int))
+    rng = np.random.RandomState(0)
+    rare, common = rng.permutation(np.flatnonzero(y == 1)), rng.permutation(np.flatnonzero(y == 0))
+    hold = np.r_[rare[:rare_held], common[:50 - rare_held]]
+    fresh = np.r_[rare[rare_held:80], common[50 - rare_held:150]]
+    return x, y, hold, fresh, torch.tensor(np.r_[rare[80:92], common[150:]])
+
+
+def rare_epochs(out, model, x, labels, train, hold, loss_fn):
+    """40 shuffled epochs (a generator seeded 0) of batches of 32 over `train`, Adam at 1e-2, the real
+    TrainingTelemetry collecting every 5 steps with (x[hold], labels[hold]) as its holdout; loss_fn(outputs,
+    labels) is the loss."""
+    from telemetry import TrainingTelemetry
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5)
+    tel.set_holdout_data((x[hold], labels[hold]))
+    gen = torch.Generator().manual_seed(0)
+    for epoch in range(40):
+        order = train[torch.randperm(len(train), generator=gen)]
+        for i, start in enumerate(range(0, len(order), 32)):
+            idx = order[start:start + 32]
+            loss = loss_fn(model(x[idx]), labels[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], labels[idx]), loss=loss)
+    tel.close()
+
+
+def balanced_accuracy(predicted, truth):
+    return 0.5 * float((predicted[truth == 1] == 1).float().mean() + (predicted[truth == 0] == 0).float().mean())
+
+
 def test_class_weights_on_a_holdout_with_two_rare_examples_are_not_at_chance(tmp_path):
     """Breast cancer on three weak features, malignant kept to 5% of the training set and to 2 of the holdout's
     50: a model trained with inverse-frequency class weights predicts the rare class often, so its holdout
@@ -1072,38 +1114,15 @@ def test_class_weights_on_a_holdout_with_two_rare_examples_are_not_at_chance(tmp
     its balanced accuracy on fresh data is far over chance. Two rare examples cannot show a model does better
     than always predicting the common class: no holdout_at_chance. Without the weights it predicts the common
     class for every example (fresh balanced accuracy at chance), and that is still critical."""
-    from sklearn.datasets import load_breast_cancer
-
-    from telemetry import TrainingTelemetry
-
-    x, y = load_breast_cancer(return_X_y=True)
-    x = x[:, [4, 8, 9]]
-    x, y = torch.tensor((x - x.mean(0)) / x.std(0), dtype=torch.float32), torch.tensor((y == 0).astype(int))
-    rng = np.random.RandomState(0)
-    rare, common = rng.permutation(np.flatnonzero(y == 1)), rng.permutation(np.flatnonzero(y == 0))
-    hold, fresh = np.r_[rare[:2], common[:48]], np.r_[rare[2:80], common[48:150]]
-    train = torch.tensor(np.r_[rare[80:92], common[150:]])
+    x, y, hold, fresh, train = rare_malignant(2)
     for weighted in (True, False):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 2))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         weight = torch.tensor([1.0, float((y[train] == 0).sum() / (y[train] == 1).sum())]) if weighted else None
-        tel = TrainingTelemetry(output_dir=str(tmp_path / str(weighted)), collect_every_n=5)
-        tel.set_holdout_data((x[hold], y[hold]))
-        gen = torch.Generator().manual_seed(0)
-        for epoch in range(40):
-            order = train[torch.randperm(len(train), generator=gen)]
-            for i, start in enumerate(range(0, len(order), 32)):
-                idx = order[start:start + 32]
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x[idx]), y[idx], weight=weight)
-                loss.backward()
-                opt.step()
-                tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx]), loss=loss)
-        tel.close()
+        rare_epochs(tmp_path / str(weighted), model, x, y, train, hold,
+                    lambda out, labels: F.cross_entropy(out, labels, weight=weight))
         with torch.no_grad():
-            predicted, truth = model(x[fresh]).argmax(1), y[fresh]
-        balanced = 0.5 * float((predicted[truth == 1] == 1).float().mean() + (predicted[truth == 0] == 0).float().mean())
+            balanced = balanced_accuracy(model(x[fresh]).argmax(1), y[fresh])
         run, found = codes(tmp_path / str(weighted))
         if weighted:
             assert balanced > 0.7 and at._late(at.holdout_data(run), at.holdout_data(run).accuracy)[0] < 0.9
@@ -1112,120 +1131,20 @@ def test_class_weights_on_a_holdout_with_two_rare_examples_are_not_at_chance(tmp
             assert balanced < 0.55 and found["holdout_at_chance"].severity == "critical"
 
 
-def test_one_hard_example_late_in_batch_size_1_training_is_no_loss_spike(tmp_path):
-    """Online SGD on wine, one example a batch: late in the run the batch loss is about 6e-4, and one harder
-    example scores 0.034, 50x that and 40 robust SDs above it, but a twentieth of what an untrained model
-    scores. Telemetry's live alert and the analyzer's check both raised loss_spike on it; a spike now also
-    rises by 5% of the run's scale (its first losses, or log K where the holdout says K)."""
-    from sklearn.datasets import load_wine
-
-    from telemetry import TrainingTelemetry
-
-    x, y = load_wine(return_X_y=True)
-    order = np.random.RandomState(4321).permutation(len(y))
-    x, y = torch.tensor(x[order], dtype=torch.float32), torch.tensor(y[order])
-    mean, std = x[:100].mean(0), x[:100].std(0) + 1e-6
-    x = (x - mean) / std
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 32), nn.ReLU(), nn.Linear(32, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data((x[100:140], y[100:140]))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:100], y[:100]), batch_size=1, shuffle=True)
-    for epoch in range(6):
-        for i, (xb, yb) in enumerate(loader):
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
-            opt.zero_grad()
-    tel.close()
-    with torch.no_grad():
-        assert float((model(x[140:]).argmax(1) == y[140:]).float().mean()) > 0.9
-    run, found = codes(tmp_path)
-    loss = at.column(run, "loss")
-    late = loss[len(loss) // 2:]
-    assert late.max() > 30 * np.median(late) and late.max() < 0.05   # the hard example, on a near-0 level
-    assert "loss_spike" not in found and not loud(found)
-
-
-def test_a_noise_robust_loss_on_noisy_labels_is_no_overfitting(tmp_path):
-    """Digits with half their labels drawn at random (55% right), in training and in the holdout, trained with
-    the generalized cross-entropy (q = 0.7), which resists the noise: fresh accuracy on the true labels is
-    over 0.9. The holdout's cross-entropy never goes below an untrained model's log 10 (the model grows sure of
-    the right class, and a wrong label costs more), and then rises: the overfitting warning said to stop at
-    that best, which is an untrained model."""
-    from sklearn.datasets import load_digits
-
-    from telemetry import TrainingTelemetry
-
-    x, y = load_digits(return_X_y=True)
-    order = np.random.RandomState(0).permutation(len(y))
-    x, y = torch.tensor(x[order] / 16, dtype=torch.float32), torch.tensor(y[order])
-    gen = torch.Generator().manual_seed(5)
-    noisy = torch.where(torch.rand(len(y), generator=gen) < 0.5, torch.randint(0, 10, (len(y),), generator=gen), y)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data((x[1000:1050], noisy[1000:1050]))
-    gen = torch.Generator().manual_seed(0)
-    for epoch in range(30):
-        order = torch.randperm(1000, generator=gen)
-        for i in range(0, 1000, 32):
-            idx = order[i:i + 32]
-            p = F.softmax(model(x[idx]), 1).gather(1, noisy[idx, None]).clamp_min(1e-7)
-            loss = ((1 - p ** 0.7) / 0.7).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i // 32, epoch, batch=(x[idx], noisy[idx]), loss=loss)
-    tel.close()
-    with torch.no_grad():
-        assert float((model(x[1100:]).argmax(1) == y[1100:]).float().mean()) > 0.9
-    run, found = codes(tmp_path)
-    h = at.holdout_data(run)
-    assert np.nanmin(h.loss) > 0.95 * math.log(10) and h.loss[-1] > 1.5 * np.nanmin(h.loss)
-    assert "overfitting" not in found and not loud(found)
-
-
 def test_a_loss_weighted_by_pos_weight_is_on_its_own_scale_not_diverging(tmp_path):
     """Breast cancer on three weak features, malignant kept to 5% of the training set, one logit trained with
     BCEWithLogitsLoss(pos_weight=17): an untrained model scores about twice log 2 on that loss, and a batch
     with a few more positives than usual scores higher still. Against log 2 that read as a blow-up never
     recovered from (loss_diverging); the holdout's first losses, at log 2 while the train loss's are far
     above, put the train loss on a scale of its own. The model learns (fresh balanced accuracy over 0.7)."""
-    from sklearn.datasets import load_breast_cancer
-
-    from telemetry import TrainingTelemetry
-
-    x, y = load_breast_cancer(return_X_y=True)
-    x = x[:, [4, 8, 9]]
-    x, y = torch.tensor((x - x.mean(0)) / x.std(0), dtype=torch.float32), torch.tensor((y == 0).astype(int))
-    rng = np.random.RandomState(0)
-    rare, common = rng.permutation(np.flatnonzero(y == 1)), rng.permutation(np.flatnonzero(y == 0))
-    hold, fresh = np.r_[rare[:5], common[:45]], np.r_[rare[5:80], common[45:150]]
-    train = torch.tensor(np.r_[rare[80:92], common[150:]])
+    x, y, hold, fresh, train = rare_malignant(5)
     pos_weight = (y[train] == 0).sum() / (y[train] == 1).sum()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=5)
-    tel.set_holdout_data((x[hold], y[hold].float()))
-    gen = torch.Generator().manual_seed(0)
-    for epoch in range(40):
-        order = train[torch.randperm(len(train), generator=gen)]
-        for i, start in enumerate(range(0, len(order), 32)):
-            idx = order[start:start + 32]
-            loss = F.binary_cross_entropy_with_logits(model(x[idx])[:, 0], y[idx].float(), pos_weight=pos_weight)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, epoch, batch=(x[idx], y[idx].float()), loss=loss)
-    tel.close()
+    rare_epochs(tmp_path, model, x, y.float(), train, hold,
+                lambda out, labels: F.binary_cross_entropy_with_logits(out[:, 0], labels, pos_weight=pos_weight))
     with torch.no_grad():
-        predicted, truth = (model(x[fresh])[:, 0] > 0).long(), y[fresh]
-    assert 0.5 * float((predicted[truth == 1] == 1).float().mean() + (predicted[truth == 0] == 0).float().mean()) > 0.7
+        assert balanced_accuracy((model(x[fresh])[:, 0] > 0).long(), y[fresh]) > 0.7
     run, found = codes(tmp_path)
     assert at.column(run, "loss")[0] > 1.5 * math.log(2) > 1.2 * at.holdout_data(run).loss[0]
     assert "loss_diverging" not in found and not loud(found)
@@ -3847,12 +3766,14 @@ def test_a_holdout_that_skipped_the_standardisation_is_named_not_the_model(tmp_p
             assert "holdout_off_scale" not in found and "holdout_at_chance" not in found, found
 
 
-def test_a_loss_that_does_not_depend_on_the_weights_is_told_so(tmp_path):
-    """The digits MLP with Adam on a loss multiplied by 0 (a mask weight that is always 0): every gradient is
-    0, Adam moves nothing, and the weights stay bit-identical to a copy taken at the start. not_learning
-    said to check that optimizer.step() is called and to raise the learning rate 10-100x, neither of which
-    helps; it now says that every gradient and the loss were exactly 0, and that the loss does not depend on
-    the weights."""
+@pytest.mark.parametrize("zeroed", ["loss", "clipping"])
+def test_gradients_that_are_all_zero_are_told_where_they_were_zeroed(tmp_path, zeroed):
+    """The digits MLP with Adam, every gradient exactly 0 at every step, and the weights bit-identical to a copy
+    taken at the start. 'loss': the loss multiplied by 0 (a mask weight that is always 0); not_learning said
+    to check that optimizer.step() is called and to raise the learning rate 10-100x, neither of which helps,
+    and now says that every gradient and the loss were 0 and that the loss does not depend on the weights.
+    'clipping': clip_grad_norm_ called with a config's max_grad_norm of 0, meant as 'no clipping', scales
+    the gradients to 0 after backward() while the loss is there and varies by batch: the hint names that."""
     from sklearn.datasets import load_digits
     from telemetry import TelemetryConfig, TrainingTelemetry
 
@@ -3867,11 +3788,13 @@ def test_a_loss_that_does_not_depend_on_the_weights_is_told_so(tmp_path):
     gen = torch.Generator().manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # telemetry warns that every gradient is 0
-        for step in range(1, 201):
+        for step in range(1, 161):
             idx = torch.randint(0, 1000, (32,), generator=gen)
-            loss = F.cross_entropy(model(x[idx]), y[idx]) * 0.0
+            loss = F.cross_entropy(model(x[idx]), y[idx]) * (0.0 if zeroed == "loss" else 1.0)
             opt.zero_grad()
             loss.backward()
+            if zeroed == "clipping":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.0)
             assert all(not p.grad.any() for p in model.parameters())
             opt.step()
             tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
@@ -3879,40 +3802,11 @@ def test_a_loss_that_does_not_depend_on_the_weights_is_told_so(tmp_path):
     assert all(torch.equal(p.detach(), s) for p, s in zip(model.parameters(), start))
     top = at.diagnose(at.load_run(tmp_path / "r", progress=False))
     assert top[0].code == "not_learning", [f.code for f in top]
-    assert "every gradient was exactly 0" in top[0].message and "does not depend on the weights" in top[0].hint
-
-
-def test_gradients_clipped_to_0_after_backward_are_told_apart_from_a_loss_without_weights(tmp_path):
-    """clip_grad_norm_ called with a config's max_grad_norm of 0, meant as 'no clipping': every gradient is
-    scaled to 0 after backward(), while the loss is there and varies by batch. The hint said the loss does not
-    depend on the weights; it now names what zeroes the gradients."""
-    from sklearn.datasets import load_digits
-
-    from telemetry import TelemetryConfig, TrainingTelemetry
-
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path), collect_every_n=8))
-    tel.set_holdout_data((x[1000:1100], y[1000:1100]))
-    gen = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # telemetry warns that every gradient is 0
-        for step in range(1, 121):
-            idx = torch.randint(0, 1000, (32,), generator=gen)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.0)
-            assert all(not p.grad.any() for p in model.parameters())
-            opt.step()
-            tel.on_batch_end(model, opt, step, 0, batch=(x[idx], y[idx]), loss=loss)
-    tel.close()
-    top = at.diagnose(at.load_run(tmp_path, progress=False))
-    assert top[0].code == "not_learning", [f.code for f in top]
-    assert "while the train loss was there" in top[0].message and "clip_grad_norm_ with max_norm=0" in top[0].hint
+    assert "every gradient was exactly 0" in top[0].message
+    if zeroed == "loss":
+        assert "does not depend on the weights" in top[0].hint
+    else:
+        assert "while the train loss was there" in top[0].message and "clip_grad_norm_ with max_norm=0" in top[0].hint
 
 
 def test_nll_loss_on_raw_logits_is_named_not_the_learning_rate(tmp_path):
