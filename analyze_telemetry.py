@@ -3892,6 +3892,35 @@ def _troubles(run: Run, checks: tuple) -> list:
 BN_SMALL_BATCH = 4   # examples per batch at or under which BatchNorm's batch statistics are noise
 
 
+STATS_AT_INIT_GAP = 2.0   # the holdout's loss this many times the train loss's over the run's end
+
+
+def check_batchnorm_stats_at_init(run: Run) -> list:
+    """BatchNorm layers built with momentum=0 whose running statistics were still at their initial 0 and 1
+    (run.json's batchnorm_stats_at_init): momentum 0 never moves them, so evaluation (the holdout, inference)
+    normalises with 0 and 1 while training normalises each batch with its own; the holdout's loss over the
+    last quarter of the run is STATS_AT_INIT_GAP times the train loss's at the same weights or more."""
+    names = [_text(n) for n in run.meta.get("batchnorm_stats_at_init") or [] if isinstance(n, str)] \
+        if isinstance(run.meta.get("batchnorm_stats_at_init"), list) else []
+    h = holdout_data(run)
+    pairs = _paired_losses(run, h) if names and h else np.zeros((0, 3))
+    if len(pairs) < 5:
+        return []
+    late = pairs[-max(2, len(pairs) // 4):]
+    train, held = float(np.median(late[:, 0])), float(np.median(late[:, 1]))
+    if not (train > 0 and held >= STATS_AT_INIT_GAP * train):
+        return []
+    return [Finding(
+        "batchnorm_stats_at_init", "warning",
+        f"BatchNorm layer(s) {', '.join(names[:4])}{' and more' if len(names) > 4 else ''} have momentum=0, and "
+        "their running statistics were at their initial mean 0 and variance 1: momentum 0 never moves them, so "
+        "evaluation normalises with those while training uses each batch's own. Over the run's last quarter "
+        f"the holdout's loss, scored in eval mode, is {held / train:.1f}x the train loss ({_fmt(held)} against "
+        f"{_fmt(train)}).", _steps_list([int(late[0, 2])]),
+        hint="Leave BatchNorm's momentum at 0.1 (or None, a running average over every batch): momentum is the "
+             "weight of the new batch's statistics, and 0 keeps the initial ones for good.")]
+
+
 def check_batchnorm_small_batches(run: Run) -> list:
     """BatchNorm layers (run.json's batchnorm) trained on batches of BN_SMALL_BATCH examples or fewer (the
     median over the records), in a run that blows up, starves its first layers, stalls, or whose holdout ends
@@ -4537,7 +4566,7 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_holdout_off_scale, check_holdout_in_training, check_repeated_batches, check_unshuffled_batches,
           check_padding_supervised, check_holdout_positions_untrained, check_unscaled_inputs, check_outputs_off_scale,
           check_unscaled_targets,
-          check_batchnorm_small_batches,
+          check_batchnorm_stats_at_init, check_batchnorm_small_batches,
           check_class_imbalance, check_class_never_predicted, check_nonfinite, check_loss_diverging,
           check_loss_spikes, check_exploding_gradients, check_loss_oscillating, check_dead_units,
           check_saturated_units, check_vanishing_gradients,
@@ -4561,7 +4590,7 @@ STAGES = (
      "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates", "adam_eps_dominates",
      "adam_betas_unstable",
      "lr_schedule_restarted", "dropout_too_high",
-     "batchnorm_small_batches",
+     "batchnorm_stats_at_init", "batchnorm_small_batches",
      "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "outputs_off_scale",
      "unscaled_targets",
      "eval_mode", "negative_loss",
@@ -4602,6 +4631,9 @@ FINDINGS = {
                           "called after zero_grad, or a group never gets a gradient"),
     "adam_eps_dominates": (("warning",), "analyzer", "an Adam-like optimizer's eps is many times its gradients' "
                            "size per element: its steps shrink from lr-sized to lr x gradient / eps"),
+    "batchnorm_stats_at_init": (("warning",), "analyzer", "BatchNorm layers with momentum=0 keep their initial "
+                                "running statistics, which evaluation normalises with: the holdout scores far "
+                                "worse than training"),
     "adam_betas_unstable": (("warning",), "analyzer", "an Adam-like optimizer's beta1 is not below sqrt(beta2) "
                             "(betas swapped) and the weights grew many times over"),
     "unregistered_parameters": (("warning",), "analyzer", "trainable layers held in a plain Python list or dict, "
@@ -4750,6 +4782,9 @@ CONSEQUENCES = {
     "adam_eps_dominates": _UNTRAINED_PART + ("not_learning", "vanishing_gradients", "lr_below_base"),
     # steps that outgrow the learning rate: what a blow-up brings
     "adam_betas_unstable": _AFTER_A_BLOWUP + ("outputs_off_scale",),
+    # a holdout scored with the wrong normalisation: it looks worse than the model is, and gets worse as the
+    # activations move away from 0 and 1
+    "batchnorm_stats_at_init": ("holdout_at_chance", "overfitting", "forgetting", "holdout_off_scale"),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # each record sees one optimizer: the others' tensors are in none, the batch is passed twice, deltas restart

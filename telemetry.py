@@ -3642,6 +3642,13 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
              and m.track_running_stats and not isinstance(m, torch.nn.SyncBatchNorm)]  # that one pools the ranks
     if norms:
         info["batchnorm"] = norms[:20]
+    # momentum=0 keeps the running statistics where they are: at their initial 0 and 1 (no pretrained ones to
+    # keep), evaluation normalises with those and not with the data's
+    frozen = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+              and m.track_running_stats and m.momentum == 0 and m.running_mean is not None
+              and not m.running_mean.any() and bool((m.running_var == 1).all())]
+    if frozen:
+        info["batchnorm_stats_at_init"] = frozen[:20]
     low = _low_precision_groups(optimizer, layout, partitions)
     if low:
         info["low_precision"] = low

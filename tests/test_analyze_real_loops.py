@@ -1599,6 +1599,30 @@ def test_adam_betas_swapped_are_named_by_the_weights_they_blow_up(tmp_path):
     assert not loud(found)
 
 
+def test_batchnorm_with_momentum_0_is_named_by_its_statistics_at_init(tmp_path):
+    """nn.BatchNorm1d(momentum=0), 'momentum: 0' from a config: its running statistics never leave 0 and 1,
+    so the model in eval mode normalises with those and scores far worse on fresh data than in training.
+    Telemetry lists the layers in run.json; batchnorm_stats_at_init leads. The default momentum is quiet."""
+    x, y = digit_pixels()
+    fresh = {}
+    for name, momentum in (("zero", 0.0), ("default", 0.1)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128, momentum=momentum), nn.ReLU(),
+                              nn.Linear(128, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        digit_epochs(tmp_path / name, model, opt, x, y, 8)
+        model.eval()
+        with torch.no_grad():
+            fresh[name] = float((model(x[1000:]).argmax(1) == y[1000:]).float().mean())
+        at_init = json.loads((tmp_path / name / "run.json").read_text()).get("batchnorm_stats_at_init")
+        assert at_init == (["1"] if momentum == 0 else None)
+    assert fresh["zero"] < fresh["default"] - 0.1
+    run, found = codes(tmp_path / "zero")
+    assert at.diagnose(run)[0].code == "batchnorm_stats_at_init"
+    run, found = codes(tmp_path / "default")
+    assert not loud(found)
+
+
 def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
     """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
     stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The
