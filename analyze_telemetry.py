@@ -852,6 +852,13 @@ def _meta_groups(run: Run) -> dict:
     return {g: v for g, v in groups.items() if isinstance(v, dict)} if isinstance(groups, dict) else {}
 
 
+def _optimizer_settings(run: Run) -> dict:
+    """run.json's optimizer_settings ({group: {betas, eps, momentum, weight_decay}} as the group has them),
+    well-formed entries only."""
+    settings = run.meta.get("optimizer_settings")
+    return {g: v for g, v in settings.items() if isinstance(v, dict)} if isinstance(settings, dict) else {}
+
+
 def _count(info: dict, key: str) -> int:
     value = info.get(key)
     return value if _has_type(value, int) and value > 0 else 0
@@ -1048,11 +1055,9 @@ def check_adam_eps_dominates(run: Run) -> list:
     norm over the square root of its elements): its steps are lr * gradient / eps, those of SGD at a rate
     eps times smaller, not the lr-sized steps Adam is chosen for. An eps of 1 (TensorFlow's recipe for one
     model, or 1e-0 for 1e-8) on ordinary gradients."""
-    settings = run.meta.get("optimizer_settings") if isinstance(run.meta.get("optimizer_settings"), dict) else {}
-    groups = run.meta.get("groups") if isinstance(run.meta.get("groups"), dict) else {}
-    found = []
-    for g, values in settings.items():
-        eps = values.get("eps") if isinstance(values, dict) and "betas" in values else None
+    groups, found = _meta_groups(run), []
+    for g, values in _optimizer_settings(run).items():
+        eps = values.get("eps") if "betas" in values else None
         elements = _get(groups, [g, "elements"])
         norms = _finite(column(run, ("gradient_norm", g))[1:])
         if not (_has_type(eps, (int, float)) and eps > 0 and _has_type(elements, int) and elements > 0
@@ -1083,9 +1088,8 @@ def check_adam_betas_unstable(run: Run) -> list:
     and whose weights' norm grew BETAS_GROWTH times from the first collection to the run's last fifth: with
     the second moment averaged over fewer steps than the first, |m| / sqrt(v) is unbounded, and the steps
     outgrow the learning rate while the gradients stay ordinary."""
-    settings = run.meta.get("optimizer_settings") if isinstance(run.meta.get("optimizer_settings"), dict) else {}
-    for g, values in settings.items():
-        betas = values.get("betas") if isinstance(values, dict) else None
+    for g, values in _optimizer_settings(run).items():
+        betas = values.get("betas")
         if not (isinstance(betas, list) and len(betas) == 2 and all(_has_type(b, (int, float)) for b in betas)
                 and 0 <= betas[1] < 1 and betas[0] >= math.sqrt(betas[1])):
             continue

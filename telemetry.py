@@ -2469,8 +2469,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 _HOOK_ORDER = "the arguments are (model, optimizer, batch_idx, epoch, device=None, batch=None, loss=None, **scalars)"
 
 
-
-
 def _hook_loss(loss: Any) -> Any:
     """loss= as it is recorded: a number, or a one-element tensor (read with the record); a one-element numpy
     array as its number. Anything else is refused at the call: a loss that is no number would be left out
@@ -3596,7 +3594,8 @@ def unregistered_parameters(model: torch.nn.Module) -> Dict[str, List[int]]:
 
 def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partitions: List[dict]) -> Dict[str, Any]:
     """What run.json says about the parameters and groups: per group its trainable tensors and, where some
-    of its parameters are frozen (requires_grad=False), those too; trainable tensors outside the optimizer."""
+    of its parameters are frozen (requires_grad=False), those too; trainable tensors outside the optimizer,
+    and those outside the model's parameters (unregistered_parameters)."""
     def count(tensors):
         return {"tensors": len(tensors), "elements": sum(p.numel() for _, p in tensors),
                 "names": [n for n, _ in tensors]}
@@ -3638,20 +3637,23 @@ def layout_info(model: torch.nn.Module, optimizer: Any, layout: _Layout, partiti
         info["dropout"] = heavy
     # batch statistics over a handful of examples are noise, and the running ones evaluation uses are not the
     # ones the model trained with: the analyzer sets these against the batch sizes
-    norms = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-             and m.track_running_stats and not isinstance(m, torch.nn.SyncBatchNorm)]  # that one pools the ranks
+    tracking = [(name, m) for name, m in model.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    norms = [name for name, m in tracking if not isinstance(m, torch.nn.SyncBatchNorm)]  # that one pools the ranks
     if norms:
         info["batchnorm"] = norms[:20]
     # momentum=0 keeps the running statistics where they are: at their initial 0 and 1 (no pretrained ones to
     # keep), evaluation normalises with those and not with the data's
-    frozen = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-              and m.track_running_stats and m.momentum == 0 and m.running_mean is not None
+    frozen = [name for name, m in tracking if m.momentum == 0 and m.running_mean is not None
               and not m.running_mean.any() and bool((m.running_var == 1).all())]
     if frozen:
         info["batchnorm_stats_at_init"] = frozen[:20]
     low = _low_precision_groups(optimizer, layout, partitions)
     if low:
         info["low_precision"] = low
+    unregistered = unregistered_parameters(model)
+    if unregistered:
+        info["unregistered"] = unregistered
     return info
 
 
@@ -5439,10 +5441,10 @@ class TrainingTelemetry:
         if device is not None and not isinstance(device, (str, int, torch.device)):
             raise TypeError(f"on_batch_end: device= got a {type(device).__name__}; {_HOOK_ORDER}: pass the batch as "
                             "batch=")
-        if isinstance(device, int):
-            _check_device_index(device, _unwrap_model(model))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"on_batch_end: model= got a {type(model).__name__}, not a torch.nn.Module; {_HOOK_ORDER}")
+        if isinstance(device, int):
+            _check_device_index(device, _unwrap_model(model))
         loss = _hook_loss(loss)
         optimizer = _one_optimizer(optimizer, self._optimizer_lists)
         if id(optimizer) != self._last_passed:  # the same one as last time: every call of a plain loop
@@ -5757,10 +5759,10 @@ class TrainingTelemetry:
             if before is not None and [id(p) for p in before.params] != [id(p) for p in self._layout.params]:
                 self._alerts.measured_other_tensors()
                 self._reference.trainable_changed = True
-            self._files.update_info(model=fingerprint, **layout_info(model, optimizer, self._layout, partitions))
-            unregistered = unregistered_parameters(model)
+            info = layout_info(model, optimizer, self._layout, partitions)
+            self._files.update_info(model=fingerprint, **info)
+            unregistered = info.get("unregistered")
             if unregistered:
-                self._files.update_info(unregistered=unregistered)
                 said = "; ".join(f"{path} ({n} tensor(s), {elements:,} elements)"
                                  for path, (n, elements) in list(unregistered.items())[:4])
                 self._warn("unregistered", f"telemetry: the model holds trainable tensors in a plain Python list, "

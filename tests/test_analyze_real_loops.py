@@ -3323,8 +3323,6 @@ def test_a_lone_gradient_explosion_alert_on_a_run_that_learns_is_a_note(tmp_path
     not bear out is now a note, as a lone spike is; raised again, it stays critical."""
     from sklearn.datasets import load_digits
 
-    from telemetry import TrainingTelemetry
-
     x, y = load_digits(return_X_y=True)
     order = np.random.RandomState(1234).permutation(len(y))
     x, y = torch.tensor(x[order] / 16.0, dtype=torch.float32).view(-1, 1, 8, 8), torch.tensor(y[order])
@@ -3335,19 +3333,10 @@ def test_a_lone_gradient_explosion_alert_on_a_run_that_learns_is_a_note(tmp_path
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1000], y[:1000]), batch_size=50,
                                        shuffle=True)
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=10, steps_per_epoch=len(data))
-    tel = TrainingTelemetry(output_dir=str(tmp_path), collect_every_n=4)
-    tel.set_holdout_data((x[1000:1050], y[1000:1050]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the alert's own warning
-        for epoch in range(10):
-            for i, (xb, yb) in enumerate(data):
-                loss = F.cross_entropy(model(xb), yb)
-                loss.backward()
-                opt.step()
-                tel.on_batch_end(model, opt, i, epoch, batch=(xb, yb), loss=loss)
-                opt.zero_grad()
-                schedule.step()
-    tel.close()
+        loader_run(tmp_path, model, opt, data, (x[1000:1050], y[1000:1050]), epochs=10, every=4,
+                   per_step=schedule.step)
     with torch.no_grad():
         assert float((model(x[1100:]).argmax(1) == y[1100:]).float().mean()) > 0.95
     run, found = codes(tmp_path)
