@@ -10,7 +10,7 @@ groups. Scenarios plant the problems telemetry is for:
     python analyze_telemetry.py runs/healthy
 
 The LoRA run (a tiny Llama + peft LoRA on generated "a+b=c" text, through transformers.Trainer and
-telemetry.hf_callback()), and the same through unsloth and TRL's SFTTrainer where there is a GPU:
+telemetry.hf_callback()), and the same through unsloth and TRL's SFTTrainer:
 
     python example_train.py --lora                   # CPU, under a minute, writes runs/lora
     python example_train.py --save-tiny-llama /tmp/tiny-llama && python example_train.py --unsloth /tmp/tiny-llama
@@ -258,50 +258,70 @@ def save_tiny_llama(path: str, seed: int = 0) -> str:
     return path
 
 
+def unsloth_model(model_dir: str, seed: int = 0, load_in_4bit: bool = False):
+    """unsloth's FastLanguageModel over a saved Llama, with LoRA r=8 on every projection: (model, tokenizer).
+    unsloth must be imported before transformers and peft, which it patches as they are imported."""
+    import unsloth  # noqa: F401
+    from unsloth import FastLanguageModel
+
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name=model_dir, max_seq_length=64, dtype=None,
+                                                         load_in_4bit=load_in_4bit)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
+                                             target_modules=LORA_TARGETS, use_gradient_checkpointing=False,
+                                             random_state=seed)
+    return model, tokenizer
+
+
+def sft_holdout(tokenizer, seed: int = 0) -> dict:
+    """32 "a+b=c" lines the run never trains on, as one padded batch; labels are the ids, -100 on padding."""
+    held = tokenizer([p + a for p, a in arithmetic_pairs(32, torch.Generator().manual_seed(10_000 + seed))],
+                     return_tensors="pt", padding=True)
+    return {"input_ids": held["input_ids"], "attention_mask": held["attention_mask"],
+            "labels": held["input_ids"].masked_fill(held["attention_mask"] == 0, -100)}
+
+
+def sft_trainer(model, tokenizer, out: str, max_steps: int = 60, collect_every_n: int = 5, seed: int = 0,
+                learning_rate: float = 2e-3):
+    """TRL's SFTTrainer over "a+b=c" text with telemetry.hf_callback(), the Trainer logging every step."""
+    import inspect
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    texts = [p + a for p, a in arithmetic_pairs(2048, torch.Generator().manual_seed(seed))]
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out, collect_every_n=collect_every_n,
+                                                  holdout_size=32, batch_label_key="labels"))
+    telemetry.set_holdout_data(sft_holdout(tokenizer, seed))
+    fields = inspect.signature(SFTConfig).parameters  # TRL renamed max_seq_length to max_length
+    length_key = "max_length" if "max_length" in fields else "max_seq_length"
+    config = SFTConfig(output_dir=os.path.join(out, "trainer"), max_steps=max_steps, learning_rate=learning_rate,
+                       per_device_train_batch_size=16, logging_steps=1, save_strategy="no", report_to="none",
+                       seed=seed, dataset_text_field="text", disable_tqdm=True, **{length_key: 64})
+    takes = inspect.signature(SFTTrainer.__init__).parameters
+    tokenizer_arg = {"processing_class" if "processing_class" in takes else "tokenizer": tokenizer}
+    return SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
+                      callbacks=[telemetry.hf_callback()], **tokenizer_arg)
+
+
 def train_unsloth(model_dir: str, out: str = os.path.join("runs", "unsloth"), max_steps: int = 60,
                   collect_every_n: int = 5, seed: int = 0) -> int:
-    """The same run through unsloth.FastLanguageModel and TRL's SFTTrainer, on a GPU. Returns an exit code:
-    2 when this machine cannot run unsloth (no CUDA GPU, or unsloth/trl missing)."""
-    if not torch.cuda.is_available():
-        print("--unsloth needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
-              "unsloth does not run on the CPU. Use --lora for the CPU version of this run.", file=sys.stderr)
-        return 2
+    """The LoRA run through unsloth.FastLanguageModel and TRL's SFTTrainer: on a CUDA GPU, or on the CPU where
+    unsloth's version has a CPU fallback. Returns an exit code: 2 when unsloth, trl or datasets cannot be imported
+    here (not installed, or an unsloth that needs a GPU on a machine without one)."""
     if "transformers" in sys.modules or "peft" in sys.modules:
         print("note: transformers/peft were imported before unsloth; unsloth may not patch them",
               file=sys.stderr)
     try:
         import unsloth  # noqa: F401  first: it patches transformers, peft and trl as they are imported
-        from unsloth import FastLanguageModel
-        from datasets import Dataset
-        from trl import SFTConfig, SFTTrainer
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
     except Exception as exc:  # ImportError, or unsloth's own "cannot find any torch accelerator"
-        print(f"--unsloth: cannot import unsloth/trl/datasets ({type(exc).__name__}: {exc}); "
-              "pip install unsloth", file=sys.stderr)
+        print(f"--unsloth: cannot import unsloth/trl/datasets ({type(exc).__name__}: {exc}); pip install unsloth "
+              "(with torch pinned on the same command line). Use --lora for the same run through peft alone.",
+              file=sys.stderr)
         return 2
-    import inspect
-
-    model, tokenizer = FastLanguageModel.from_pretrained(model_name=model_dir, max_seq_length=64, dtype=None,
-                                                         load_in_4bit=False)
-    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
-                                             target_modules=LORA_TARGETS, use_gradient_checkpointing=False,
-                                             random_state=seed)
-    texts = [p + a for p, a in arithmetic_pairs(2048, torch.Generator().manual_seed(seed))]
-    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out, collect_every_n=collect_every_n,
-                                                  holdout_size=32, batch_label_key="labels"))
-    held = tokenizer([p + a for p, a in arithmetic_pairs(32, torch.Generator().manual_seed(10_000 + seed))],
-                     return_tensors="pt", padding=True)
-    telemetry.set_holdout_data({"input_ids": held["input_ids"], "attention_mask": held["attention_mask"],
-                                "labels": held["input_ids"].masked_fill(held["attention_mask"] == 0, -100)})
-    fields = inspect.signature(SFTConfig).parameters  # TRL renamed max_seq_length to max_length
-    length_key = "max_length" if "max_length" in fields else "max_seq_length"
-    config = SFTConfig(output_dir=os.path.join(out, "trainer"), max_steps=max_steps, learning_rate=2e-3,
-                       per_device_train_batch_size=16, logging_steps=1, save_strategy="no", report_to="none",
-                       seed=seed, dataset_text_field="text", **{length_key: 64})
-    takes = inspect.signature(SFTTrainer.__init__).parameters
-    tokenizer_arg = {"processing_class" if "processing_class" in takes else "tokenizer": tokenizer}
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
-                         callbacks=[telemetry.hf_callback()], **tokenizer_arg)
-    trainer.train()
+    model, tokenizer = unsloth_model(model_dir, seed)
+    sft_trainer(model, tokenizer, out, max_steps, collect_every_n, seed).train()
     print(f"trained with unsloth; run directory: {out}\nanalyze it with: python analyze_telemetry.py {out}")
     return 0
 
@@ -318,7 +338,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lora", action="store_true",
                         help="tiny Llama + peft LoRA through transformers.Trainer on the CPU (runs/lora)")
     parser.add_argument("--unsloth", metavar="MODEL_DIR",
-                        help="the LoRA run through unsloth and TRL's SFTTrainer on a GPU (runs/unsloth)")
+                        help="the LoRA run through unsloth and TRL's SFTTrainer (runs/unsloth)")
     parser.add_argument("--save-tiny-llama", metavar="DIR",
                         help="save a tiny Llama and tokenizer to DIR for --unsloth, then exit")
     parser.add_argument("--max-steps", type=int, help="optimizer steps of the --lora/--unsloth run")

@@ -1,0 +1,191 @@
+"""example_train.py's unsloth LoRA fine-tune on a CUDA GPU, its records checked against independent references:
+the adapters' norms against peft's get_delta_weight, the gradient norm against the Trainer's own logged
+grad_norm, the LM holdout against an eval() pass of the trained model, the CUDA memory figures against
+torch.cuda.max_memory_allocated, and the analyzer on a healthy run and on one at lr 0. With bitsandbytes, the
+same with a 4-bit base (QLoRA). Prints one JSON object of measured errors and writes it to OUT/results.json.
+
+    python tests/unsloth_check.py OUT          # needs a CUDA GPU, unsloth, trl and datasets
+    python tests/unsloth_check.py OUT --peft   # the same run through plain peft: checks this script on a CPU
+
+tests/test_lora.py runs it (skipped without a GPU) and holds the errors to their bounds."""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--peft", action="store_true", help="plain transformers + peft instead of unsloth")
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args(argv)
+    if not args.peft:
+        import unsloth  # noqa: F401  before transformers and peft, which it patches
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import example_train
+
+    os.makedirs(args.out, exist_ok=True)
+    results = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+               else "cpu", "path": "peft" if args.peft else "unsloth"}
+    for name in ("unsloth", "unsloth_zoo", "transformers", "peft", "trl", "datasets", "bitsandbytes"):
+        try:
+            results[name] = __import__(name).__version__
+        except Exception as exc:  # not installed, or (bitsandbytes) no kernels for this machine
+            results[name] = f"missing ({type(exc).__name__})"
+    model_dir = example_train.save_tiny_llama(os.path.join(args.out, "tiny-llama"))
+
+    def save():
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+    runs = [("healthy", dict(learning_rate=2e-3, max_steps=args.steps), False),
+            ("lr0", dict(learning_rate=0.0, max_steps=20), False)]
+    if not args.peft and not str(results["bitsandbytes"]).startswith("missing"):
+        runs.append(("qlora", dict(learning_rate=2e-3, max_steps=20), True))
+    for label, train, four_bit in runs:
+        started = time.time()
+        try:
+            results[label] = check_run(example_train, model_dir, os.path.join(args.out, label), args.peft,
+                                       four_bit, train)
+        except Exception:
+            results[label] = {"error": traceback.format_exc()[-3000:]}
+        results[label]["seconds"] = round(time.time() - started, 1)
+        save()
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+def build(example_train, model_dir, peft_only, four_bit):
+    if not peft_only:
+        return example_train.unsloth_model(model_dir, load_in_4bit=four_bit)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=example_train.LORA_TARGETS))
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def check_run(example_train, model_dir, out, peft_only, four_bit, train):
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    import analyze_telemetry as at
+    import telemetry
+
+    model, tokenizer = build(example_train, model_dir, peft_only, four_bit)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer = example_train.sft_trainer(model, tokenizer, out, **train)
+    # An independent reference: each trainable gradient's float64 square sum as backward leaves it, before the
+    # Trainer clips (global_step counts the steps taken, so the one being computed is one more).
+    squares = {}
+
+    def keep(p):
+        step = trainer.state.global_step + 1
+        squares[step] = squares.get(step, 0.0) + float(p.grad.double().square().sum())
+
+    hooks = [p.register_post_accumulate_grad_hook(keep) for p in model.parameters() if p.requires_grad]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    for h in hooks:
+        h.remove()
+    with open(os.path.join(out, "telemetry.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    logged = {h["step"]: h for h in trainer.state.log_history if "grad_norm" in h}
+    res = {"records": [r["step"] for r in records], "trainer_steps": trainer.state.global_step,
+           "final_loss": records[-1]["loss"], "first_loss": records[0]["loss"]}
+
+    # The gradient norm at each collected optimizer step against the Trainer's own (before clipping).
+    res["grad_norm_rel_max"] = max(rel(r["gradient_norm"]["overall"], float(logged[r["step"]]["grad_norm"]))
+                                   for r in records)
+    res["grad_norm_float64_rel_max"] = max(rel(r["gradient_norm"]["overall"], math.sqrt(squares[r["step"]]))
+                                           for r in records)
+    res["trainer_vs_float64_rel_max"] = max(rel(float(logged[r["step"]]["grad_norm"]), math.sqrt(squares[r["step"]]))
+                                            for r in records)
+    res["trainable_dtypes"] = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+
+    # The adapters at the last step (the model as training left it) against peft's dense delta weights.
+    last = records[-1]
+    assert last["step"] == trainer.state.global_step, "the last optimizer step was not collected"
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    dense = {n: m.get_delta_weight("default").detach().double() for n, m in layers}
+    total = math.sqrt(sum(float(d.square().sum()) for d in dense.values()))
+    lora = last["lora"]
+    res["lora_modules"] = (lora["modules"], len(layers))
+    res["base_layers"] = sorted({type(m.base_layer).__name__ for _, m in layers})
+    res["adapter_norm"] = (lora["adapter_norm"]["overall"], total)
+    res["adapter_norm_rel"] = rel(lora["adapter_norm"]["overall"], total) if total else None
+    # and against s*B*A formed in float64 (get_delta_weight multiplies in the adapters' dtype, bf16 under QLoRA)
+    exact = math.sqrt(sum(float((m.scaling["default"] * m.lora_B["default"].weight.double()
+                                 @ m.lora_A["default"].weight.double()).square().sum()) for _, m in layers))
+    res["adapter_norm_float64_rel"] = rel(lora["adapter_norm"]["overall"], exact) if exact else None
+    per_layer = {}
+    for n, d in dense.items():
+        key = f"layer_{int(n.split('.layers.')[1].split('.')[0])}"
+        per_layer[key] = per_layer.get(key, 0.0) + float(d.square().sum())
+    res["adapter_norm_layer_rel_max"] = max(
+        (rel(lora["adapter_norm"][k], math.sqrt(v)) for k, v in per_layer.items() if v), default=None)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    norm = math.sqrt(sum(float(p.detach().double().square().sum()) for p in trained.values()))
+    res["weight_norm_rel"] = rel(last["weight_norm"]["overall"], norm)
+
+    # The frozen base, 4-bit or not, is as it was, and the reference file holds the adapters alone.
+    res["frozen_unchanged"] = all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in frozen.items())
+    from safetensors import safe_open
+    with safe_open(os.path.join(out, telemetry.REFERENCE_FILE), "pt") as f:
+        res["reference_is_trainable_only"] = set(f.keys()) == set(trained)
+
+    # The LM holdout: per-example NLL and token accuracy against an eval() pass of the same model in float64.
+    hold = last["holdout_logits"]
+    batch = {k: v.to(next(model.parameters()).device) for k, v in example_train.sft_holdout(tokenizer).items()}
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    model.train(was_training)
+    labels = batch["labels"][:, 1:]
+    logits = logits[:, :-1]
+    nll, acc = [], []
+    for i in range(len(labels)):
+        valid = labels[i] != -100
+        lp = torch.log_softmax(logits[i][valid], -1)
+        nll.append(float(-lp.gather(1, labels[i][valid][:, None]).mean()))
+        acc.append(float((logits[i][valid].argmax(-1) == labels[i][valid]).double().mean()))
+    res["holdout_kind"] = hold.get("kind")
+    res["holdout_n"] = (len(hold["nll"]), len(nll))
+    res["holdout_nll_rel_max"] = max(rel(a, b) for a, b in zip(hold["nll"], nll))
+    res["holdout_accuracy_abs_max"] = max(abs(a - b) for a, b in zip(hold["token_accuracy"], acc))
+    res["holdout_mean_accuracy"] = sum(acc) / len(acc)
+
+    # CUDA memory: the record's peak is the process's peak at that step, at most the peak after training.
+    system = last.get("system", {})
+    res["system"] = {k: v for k, v in system.items() if "cuda" in k}
+    if torch.cuda.is_available():
+        res["torch_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+
+    run = at.load_run(out, progress=False)
+    found = at.diagnose(run)
+    res["findings"] = [(f.code, f.severity) for f in found]
+    res["every_finding"] = [(f.code, f.severity) for f in at.every_finding(found)]
+    res["check_failed"] = [n for n in run.notices if at.CHECK_FAILED in n]
+    del trainer, model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())
