@@ -21,7 +21,7 @@ BENCH_ARGS ?=
 # compiled the first time it is imported instead, so bytecode writing stays on for these commands.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-unsloth bench clean
 
 setup: $(DEMO_READY)
 
@@ -52,6 +52,29 @@ demo: $(DEMO_READY)
 test: $(DEV_READY)
 	$(BIN)/python -m pytest -q
 
+# unsloth pins the transformers it patches, older than the dev extras' one, so it gets a venv of its own. On a
+# machine without a GPU its CPU fallback trains through FastLanguageModel and TRL's SFTTrainer all the same;
+# bench/gpu/unsloth_device.sh runs the same check on a GPU.
+UNSLOTH_VENV := .venv-unsloth
+UNSLOTH_PACKAGES := torch==2.13.0 unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 \
+	"pytest>=8" "pyyaml>=6" "numpy>=1.24"
+ifeq ($(VENV_FLAGS),--without-pip)
+UNSLOTH_PIP := $(PYTHON) -m pip --python $(UNSLOTH_VENV)/bin/python
+else
+UNSLOTH_PIP := $(UNSLOTH_VENV)/bin/python -m pip
+endif
+
+$(UNSLOTH_VENV)/.installed:
+	$(PYTHON) -m venv $(VENV_FLAGS) $(UNSLOTH_VENV)
+	$(UNSLOTH_PIP) install -q --no-compile $(UNSLOTH_PACKAGES)
+	@# unsloth asks for torchvision, and the registry's is built for CUDA torch: its operators fail to register
+	@# against the CPU build, and transformers then fails to import its models. Nothing here needs it.
+	$(UNSLOTH_VENV)/bin/python -c "import torchvision" 2>/dev/null || $(UNSLOTH_PIP) uninstall -q -y torchvision
+	touch $@
+
+test-unsloth: $(UNSLOTH_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(UNSLOTH_VENV)/bin/python -m pytest -q tests/test_lora.py -k unsloth
+
 # Full run about an hour on 2 cores; `make bench BENCH_ARGS=--quick` is the smoke run.
 bench:
 	bench/setup.sh
@@ -59,4 +82,4 @@ bench:
 		bench/.venv/bin/python bench/compare.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(UNSLOTH_VENV) runs
