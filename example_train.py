@@ -258,16 +258,17 @@ def save_tiny_llama(path: str, seed: int = 0) -> str:
     return path
 
 
-def unsloth_model(model_dir: str, seed: int = 0, load_in_4bit: bool = False):
+def unsloth_model(model_dir: str, seed: int = 0, load_in_4bit: bool = False, checkpointing=False):
     """unsloth's FastLanguageModel over a saved Llama, with LoRA r=8 on every projection: (model, tokenizer).
-    unsloth must be imported before transformers and peft, which it patches as they are imported."""
+    unsloth must be imported before transformers and peft, which it patches as they are imported.
+    checkpointing is unsloth's use_gradient_checkpointing (False, True or "unsloth")."""
     import unsloth  # noqa: F401
     from unsloth import FastLanguageModel
 
     model, tokenizer = FastLanguageModel.from_pretrained(model_name=model_dir, max_seq_length=64, dtype=None,
                                                          load_in_4bit=load_in_4bit)
     model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
-                                             target_modules=LORA_TARGETS, use_gradient_checkpointing=False,
+                                             target_modules=LORA_TARGETS, use_gradient_checkpointing=checkpointing,
                                              random_state=seed)
     return model, tokenizer
 
@@ -281,8 +282,9 @@ def sft_holdout(tokenizer, seed: int = 0) -> dict:
 
 
 def sft_trainer(model, tokenizer, out: str, max_steps: int = 60, collect_every_n: int = 5, seed: int = 0,
-                learning_rate: float = 2e-3):
-    """TRL's SFTTrainer over "a+b=c" text with telemetry.hf_callback(), the Trainer logging every step."""
+                learning_rate: float = 2e-3, accumulation: int = 1):
+    """TRL's SFTTrainer over "a+b=c" text with telemetry.hf_callback(), the Trainer logging every optimizer step
+    (of `accumulation` micro-batches of 16)."""
     import inspect
 
     from datasets import Dataset
@@ -295,8 +297,9 @@ def sft_trainer(model, tokenizer, out: str, max_steps: int = 60, collect_every_n
     fields = inspect.signature(SFTConfig).parameters  # TRL renamed max_seq_length to max_length
     length_key = "max_length" if "max_length" in fields else "max_seq_length"
     config = SFTConfig(output_dir=os.path.join(out, "trainer"), max_steps=max_steps, learning_rate=learning_rate,
-                       per_device_train_batch_size=16, logging_steps=1, save_strategy="no", report_to="none",
-                       seed=seed, dataset_text_field="text", disable_tqdm=True, **{length_key: 64})
+                       per_device_train_batch_size=16, gradient_accumulation_steps=accumulation, logging_steps=1,
+                       save_strategy="no", report_to="none", seed=seed, dataset_text_field="text", disable_tqdm=True,
+                       use_cpu=not torch.cuda.is_available(), **{length_key: 64})
     takes = inspect.signature(SFTTrainer.__init__).parameters
     tokenizer_arg = {"processing_class" if "processing_class" in takes else "tokenizer": tokenizer}
     return SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),

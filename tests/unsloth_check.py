@@ -1,13 +1,14 @@
-"""example_train.py's unsloth LoRA fine-tune on a CUDA GPU, its records checked against independent references:
-the adapters' norms against peft's get_delta_weight, the gradient norm against the Trainer's own logged
-grad_norm, the LM holdout against an eval() pass of the trained model, the CUDA memory figures against
-torch.cuda.max_memory_allocated, and the analyzer on a healthy run and on one at lr 0. With bitsandbytes, the
-same with a 4-bit base (QLoRA). Prints one JSON object of measured errors and writes it to OUT/results.json.
+"""example_train.py's unsloth LoRA fine-tune, its records checked against independent references: the adapters'
+norms against peft's get_delta_weight and s*B*A in float64, the gradient norm against float64 sums of the
+gradients and the Trainer's own logged grad_norm, the loss against the Trainer's, the LM holdout against an
+eval() pass of the trained model, the CUDA memory figures against torch.cuda.max_memory_allocated, and the
+analyzer's findings. Runs: a healthy one, one at lr 0, one with unsloth's gradient checkpointing, one of 4
+micro-batches a step, and with bitsandbytes a 4-bit base (QLoRA). Prints one JSON object of measured errors and
+writes it to OUT/results.json.
 
-    python tests/unsloth_check.py OUT          # needs a CUDA GPU, unsloth, trl and datasets
-    python tests/unsloth_check.py OUT --peft   # the same run through plain peft: checks this script on a CPU
+    python tests/unsloth_check.py OUT    # unsloth, trl and datasets; a CUDA GPU, or unsloth's CPU fallback
 
-tests/test_lora.py runs it (skipped without a GPU) and holds the errors to their bounds."""
+tests/test_lora.py runs it where unsloth is installed (`make test-unsloth`) and holds the errors to their bounds."""
 import argparse
 import json
 import math
@@ -22,11 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--peft", action="store_true", help="plain transformers + peft instead of unsloth")
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args(argv)
-    if not args.peft:
-        import unsloth  # noqa: F401  before transformers and peft, which it patches
+    import unsloth  # noqa: F401  before transformers and peft, which it patches
     import torch
 
     sys.path.insert(0, ROOT)
@@ -34,27 +33,35 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-               else "cpu", "path": "peft" if args.peft else "unsloth"}
+               else "cpu"}
+    from importlib import metadata
+
     for name in ("unsloth", "unsloth_zoo", "transformers", "peft", "trl", "datasets", "bitsandbytes"):
         try:
-            results[name] = __import__(name).__version__
-        except Exception as exc:  # not installed, or (bitsandbytes) no kernels for this machine
-            results[name] = f"missing ({type(exc).__name__})"
+            results[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            results[name] = "missing"
     model_dir = example_train.save_tiny_llama(os.path.join(args.out, "tiny-llama"))
 
     def save():
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
 
-    runs = [("healthy", dict(learning_rate=2e-3, max_steps=args.steps), False),
-            ("lr0", dict(learning_rate=0.0, max_steps=20), False)]
-    if not args.peft and not str(results["bitsandbytes"]).startswith("missing"):
-        runs.append(("qlora", dict(learning_rate=2e-3, max_steps=20), True))
-    for label, train, four_bit in runs:
+    # (label, the trainer's arguments, the model's): a healthy run, one at lr 0, unsloth's own gradient
+    # checkpointing, 4 micro-batches a step, and a 4-bit base (QLoRA) where bitsandbytes imports.
+    runs = [("healthy", dict(max_steps=args.steps), {}),
+            ("lr0", dict(learning_rate=0.0, max_steps=20), {}),
+            ("accumulation", dict(accumulation=4, max_steps=20), {})]
+    runs.append(("checkpointing", dict(max_steps=20), dict(checkpointing="unsloth")))
+    try:
+        import bitsandbytes  # noqa: F401
+        runs.append(("qlora", dict(max_steps=20), dict(load_in_4bit=True)))
+    except Exception as exc:  # not installed, or no kernels for this machine
+        results["bitsandbytes"] += f" (no QLoRA run: {type(exc).__name__}: {exc})"
+    for label, train, build_args in runs:
         started = time.time()
         try:
-            results[label] = check_run(example_train, model_dir, os.path.join(args.out, label), args.peft,
-                                       four_bit, train)
+            results[label] = check_run(example_train, model_dir, os.path.join(args.out, label), build_args, train)
         except Exception:
             results[label] = {"error": traceback.format_exc()[-3000:]}
         results[label]["seconds"] = round(time.time() - started, 1)
@@ -63,38 +70,27 @@ def main(argv=None) -> int:
     return 0
 
 
-def build(example_train, model_dir, peft_only, four_bit):
-    if not peft_only:
-        return example_train.unsloth_model(model_dir, load_in_4bit=four_bit)
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=example_train.LORA_TARGETS))
-    return model, AutoTokenizer.from_pretrained(model_dir)
-
-
 def rel(a, b):
     return abs(a - b) / abs(b) if b else abs(a - b)
 
 
-def check_run(example_train, model_dir, out, peft_only, four_bit, train):
+def check_run(example_train, model_dir, out, build_args, train):
     import torch
     from peft.tuners.lora import LoraLayer
 
     import analyze_telemetry as at
     import telemetry
 
-    model, tokenizer = build(example_train, model_dir, peft_only, four_bit)
+    model, tokenizer = example_train.unsloth_model(model_dir, **build_args)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainer = example_train.sft_trainer(model, tokenizer, out, **train)
-    # An independent reference: each trainable gradient's float64 square sum as backward leaves it, before the
-    # Trainer clips (global_step counts the steps taken, so the one being computed is one more).
-    squares = {}
+    # An independent reference: each trainable gradient's float64 square sum as the step's last backward leaves
+    # it, before the Trainer clips (global_step counts the steps taken, so the one being computed is one more;
+    # under accumulation a later micro-batch's value replaces an earlier one's).
+    last = {}
 
     def keep(p):
-        step = trainer.state.global_step + 1
-        squares[step] = squares.get(step, 0.0) + float(p.grad.double().square().sum())
+        last.setdefault(trainer.state.global_step + 1, {})[id(p)] = float(p.grad.double().square().sum())
 
     hooks = [p.register_post_accumulate_grad_hook(keep) for p in model.parameters() if p.requires_grad]
     if torch.cuda.is_available():
@@ -102,6 +98,7 @@ def check_run(example_train, model_dir, out, peft_only, four_bit, train):
     trainer.train()
     for h in hooks:
         h.remove()
+    squares = {step: sum(values.values()) for step, values in last.items()}
     with open(os.path.join(out, "telemetry.jsonl")) as f:
         records = [json.loads(line) for line in f]
     logged = {h["step"]: h for h in trainer.state.log_history if "grad_norm" in h}
@@ -111,6 +108,7 @@ def check_run(example_train, model_dir, out, peft_only, four_bit, train):
     # The gradient norm at each collected optimizer step against the Trainer's own (before clipping).
     res["grad_norm_rel_max"] = max(rel(r["gradient_norm"]["overall"], float(logged[r["step"]]["grad_norm"]))
                                    for r in records)
+    res["loss_rel_max"] = max(rel(r["loss"], float(logged[r["step"]]["loss"])) for r in records)
     res["grad_norm_float64_rel_max"] = max(rel(r["gradient_norm"]["overall"], math.sqrt(squares[r["step"]]))
                                            for r in records)
     res["trainer_vs_float64_rel_max"] = max(rel(float(logged[r["step"]]["grad_norm"]), math.sqrt(squares[r["step"]]))
@@ -143,7 +141,8 @@ def check_run(example_train, model_dir, out, peft_only, four_bit, train):
     res["weight_norm_rel"] = rel(last["weight_norm"]["overall"], norm)
 
     # The frozen base, 4-bit or not, is as it was, and the reference file holds the adapters alone.
-    res["frozen_unchanged"] = all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in frozen.items())
+    params = dict(model.named_parameters())
+    res["frozen_unchanged"] = all(torch.equal(p, params[n]) for n, p in frozen.items())
     from safetensors import safe_open
     with safe_open(os.path.join(out, telemetry.REFERENCE_FILE), "pt") as f:
         res["reference_is_trainable_only"] = set(f.keys()) == set(trained)
