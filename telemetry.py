@@ -5708,7 +5708,9 @@ class TrainingTelemetry:
             # Sharded gradients (FSDP, DeepSpeed) are made afresh by the reduction at the last micro-batch, whatever
             # came before it: their version counters say nothing of the accumulation.
             if self._ranks.kind in ("none", "ddp"):
-                c.add("accumulation", self._gradients.accumulation, layout, self._schedule.micro_batches())
+                # A trainer's callback is called once a step, after all of its micro-batches (_clock.accumulation).
+                c.add("accumulation", self._gradients.accumulation, layout,
+                      self._schedule.micro_batches() * self._clock.accumulation)
         if cfg.track_lora:
             c.add("lora", self._lora.section, model, layout, self._reference, ranks, self.step)
         keep_previous = cfg.track_sparse_quality and bool(self._holdout.batches)
