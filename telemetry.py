@@ -4878,6 +4878,7 @@ class _Holdout:
         self.label_range: Optional[tuple] = None  # (least, greatest) integer label of a classification holdout
         self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
         self.sees_future: Optional[bool] = None  # see future_probe; None until probed
+        self.eval_probe: Optional[Dict[str, float]] = None  # see order_probe; None until probed
         self.token_input: Any = None  # see token_input
         self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
         # A bool on the device: no evaluation so far had one output per example outside [0, 1] (see
@@ -4912,7 +4913,7 @@ class _Holdout:
                                  "inputs are not all tensors; pass forward=lambda model, batch: ...")
             found.append(got)
         self.batches, self.on_device, self.probabilities, self.signatures = batches, {}, None, {}
-        self.sees_future = None
+        self.sees_future = self.eval_probe = None
         self.forward, self.labels, self.output = forward, labels, output
         self.regression = any(is_regression_target(t) for t in found)
         # Integer labels beyond 0/1 against one output per example: a regression on them (ordinal targets, or
@@ -5122,6 +5123,39 @@ class _Holdout:
             return None
         return bool((other - before).abs().max() > 1e-3 * before.abs().max() + 1e-6)
 
+    def order_probe(self, model: torch.nn.Module, batch: Any, logits: torch.Tensor) -> Optional[Dict[str, float]]:
+        """Whether the model in eval() mode gives each example of a batch the same outputs on a second pass, and
+        with the batch's examples in reverse order: {"repeat", "reorder"}, the median over the examples of the
+        largest change of an example's outputs over its largest output (a median, so the rounding of a kernel
+        that is not deterministic, which touches a few outputs by an ulp, reads as nothing). Something random
+        left on in eval() moves the first (F.dropout defaults to training=True); a model that mixes examples
+        along the batch axis the second (an nn.LSTM fed [batch, time, ...] without batch_first=True reads the
+        batch as time). Two more forwards of one batch, at the first evaluation; None where they fail or give
+        outputs of another shape."""
+        n = batch_size_of(batch)
+        before = logits.detach()
+        dims = tuple(range(1, before.dim()))
+        largest = before.abs().amax(dim=dims).float() if dims else before.abs().float()
+        # an example whose outputs are all near 0 is measured against the batch's largest, not against rounding
+        scale = torch.maximum(largest, 0.01 * largest.max()).clamp(min=1e-12)
+
+        def change(other: torch.Tensor) -> Optional[torch.Tensor]:
+            if other.shape != before.shape:
+                return None
+            diff = (other.detach() - before).abs()
+            return ((diff.amax(dim=dims) if dims else diff).float() / scale).median()
+
+        try:
+            repeat = change(self.forward_one(model, batch)[0])
+            flipped = map_tensors(lambda t: t.flip(0) if t.dim() and t.shape[0] == n else t, batch)
+            reorder = change(self.forward_one(model, flipped)[0].flip(0))
+        except Exception:  # one more forward that fails (memory, a model that takes one order only) says nothing
+            return None
+        if repeat is None or reorder is None:
+            return None
+        repeat, reorder = torch.stack([repeat, reorder]).tolist()
+        return {"repeat": repeat, "reorder": reorder}
+
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
         """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models,
         squared and absolute errors for regression)."""
@@ -5129,6 +5163,9 @@ class _Holdout:
 
         def score(batch):
             logits, labels = self.forward_one(model, batch)
+            if self.eval_probe is None and not ranks.lockstep and not order and logits.dim() \
+                    and logits.shape[0] == batch_size_of(batch) >= 2:
+                order.append((batch, logits))  # probed below, once the activations are no longer watched
             dense = None if self.regression else per_position(logits, labels)
             if dense is not None:  # a segmentation's pixels: scored as positions, with no shift
                 return language_model_holdout(*dense, shift=False)
@@ -5141,11 +5178,14 @@ class _Holdout:
 
         watch = _ActivationWatch(model) if self.config.track_activations and not ranks.lockstep else None
         probe: List[tuple] = []
+        order: List[tuple] = []
         with _evaluating(model):
             with watch.watching() if watch is not None else contextlib.nullcontext():
                 parts = ranks.over_batches("holdout", self.on(model, device), score)
             if probe:
                 self.sees_future = self.future_probe(model, *probe[0])
+            if order:
+                self.eval_probe = self.order_probe(model, *order[0]) or {}
         self.activations = watch.section() if watch is not None else None
         if parts is None:
             return None
@@ -5154,10 +5194,10 @@ class _Holdout:
             merged = merge_lm_holdout(lm)
             if self.sees_future is not None:
                 merged["sees_future"] = self.sees_future
-            return merged
+            return self._with_probe(merged)
         outputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(p[1].shape[0], -1) for p in parts])
         if self.regression or (self.graded and (outputs.dim() == 1 or outputs.shape[-1] == 1)):
-            return regression_holdout(outputs, targets)
+            return self._with_probe(regression_holdout(outputs, targets))
         if self.label_range is not None and outputs.dim() == 2 and outputs.shape[-1] > 1:
             low, high = self.label_range
             if low < 0 or high >= outputs.shape[-1]:
@@ -5169,7 +5209,12 @@ class _Holdout:
                                                                                         device=outputs.device)
         out = classification_holdout(outputs, targets.reshape(-1), so_far)
         self.probabilities = out.get("probabilities", self.probabilities)
-        return out
+        return self._with_probe(out)
+
+    def _with_probe(self, section: Dict[str, Any]) -> Dict[str, Any]:
+        if self.eval_probe:
+            section["eval_probe"] = self.eval_probe
+        return section
 
 
 def sparse_quality(layout: _Layout, model: torch.nn.Module, holdout: _Holdout, batches: List[Any],

@@ -401,9 +401,11 @@ def test_lm_holdout_matches_hf_loss_and_passes_no_labels(tmp_path):
         hold = tele.on_batch_end(model, None, 1, 0)["holdout_logits"]
     finally:
         hook.remove()
-    # the two batches, and the first once more with its last token changed: a causal LM's earlier predictions
-    # stay as they were (future_probe, at the first evaluation only)
-    assert len(seen) == 3 and all("labels" not in keys for keys in seen) and hold["sees_future"] is False
+    # the two batches, the first once more with its last token changed: a causal LM's earlier predictions
+    # stay as they were (future_probe), and the first again as it was and reversed (order_probe), at the first
+    # evaluation only
+    assert len(seen) == 5 and all("labels" not in keys for keys in seen) and hold["sees_future"] is False
+    assert hold["eval_probe"]["repeat"] == 0 and hold["eval_probe"]["reorder"] < 1e-5
     assert model.training  # the holdout put train mode back
 
     model.eval()
