@@ -2182,6 +2182,62 @@ def check_future_visible(run: Run) -> list:
              "that is not causally padded) reads ahead too.")]
 
 
+# Two forwards over the same batch in eval() mode differ by float rounding at most: the typical example's
+# outputs moved by 1% of its largest is no rounding (a bf16 ulp is 0.4% of a number; telemetry takes the median
+# over the examples, so the few outputs a kernel that is not deterministic rounds otherwise do not count).
+PROBE_CHANGE = 1e-2
+
+
+def _eval_probe(run: Run):
+    """(step, {"repeat", "reorder"}) of the holdout's first eval_probe (telemetry's order_probe, at its first
+    evaluation), or None."""
+    h = holdout_data(run)
+    for step, raw in zip(h.steps, h.raw) if h else ():
+        probe = raw.get("eval_probe") if isinstance(raw, dict) else None
+        if isinstance(probe, dict) and all(_has_type(probe.get(k), (int, float)) for k in ("repeat", "reorder")):
+            return int(step), probe
+    return None
+
+
+def check_eval_random(run: Run) -> list:
+    """Outputs that change between two eval() passes over the same batch, the weights unchanged: something
+    random stays on at evaluation (F.dropout defaults to training=True), so every evaluation is noisy and
+    pessimistic."""
+    found = _eval_probe(run)
+    if found is None or not found[1]["repeat"] > PROBE_CHANGE:
+        return []
+    step, probe = found
+    return [Finding(
+        "eval_random", "warning",
+        f"the model's outputs in eval() mode are random: a second pass over the holdout's first batch, the weights "
+        f"unchanged, moved them by {_fmt(100 * probe['repeat'])}% of each example's largest output (the median "
+        "example). Something that draws random numbers stays on at evaluation, so the holdout's scores, and any "
+        "evaluation or prediction, are noisy and worse than the model.", _steps_list([step]),
+        hint="F.dropout(x, p) defaults to training=True: pass training=self.training (so do F.dropout1d/2d/3d and "
+             "F.alpha_dropout), or use nn.Dropout modules, which model.eval() turns off; noise added in forward() "
+             "(torch.randn_like) belongs under `if self.training:`.")]
+
+
+def check_examples_mixed(run: Run) -> list:
+    """Outputs that change when the other examples of the batch come in another order (eval() mode, the
+    weights unchanged, each pass repeatable): the model mixes examples along the batch axis, as an RNN fed
+    [batch, time, ...] without batch_first=True does."""
+    found = _eval_probe(run)
+    if found is None or found[1]["repeat"] > PROBE_CHANGE or not found[1]["reorder"] > PROBE_CHANGE:
+        return []
+    step, probe = found
+    return [Finding(
+        "examples_mixed", "warning",
+        f"each example's outputs depend on the other examples in its batch: in eval() mode, the weights unchanged, "
+        f"the holdout's first batch given in reverse order moved them by {_fmt(100 * probe['reorder'])}% of each "
+        "example's largest output (the median example), where a second pass in the same order did not. The model "
+        "mixes examples along the batch axis: a prediction depends on what else is in the batch, and in what "
+        "order.", _steps_list([step]),
+        hint="nn.LSTM, nn.GRU and nn.RNN take [time, batch, features] unless batch_first=True: pass batch_first=True "
+             "for [batch, time, features] inputs. Otherwise look for a .view() or .reshape() that moves the batch "
+             "axis (.permute() or .flatten(1) keep it), or an operation over dim 0.")]
+
+
 def _late_beside_next_token(run: Run, key: str):
     """(_late of a language model holdout's per-evaluation `key`, a share of its positions; _late of its
     next-token accuracy; the positions its last evaluation counted), or None where either has too few
@@ -4564,6 +4620,7 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_ignored_group_key, check_softmax_over_batch, check_probability_outputs, check_lora,
           check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_future_visible,
+          check_eval_random, check_examples_mixed,
           check_labels_not_shifted, check_labels_shifted_twice,
           check_gradients_clipped, check_integer_targets, check_dead_output, check_outputs_bounded, check_gradient_cut,
           check_weights_collapsed, check_not_learning,
@@ -4598,7 +4655,8 @@ STAGES = (
      "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "outputs_off_scale",
      "unscaled_targets",
      "eval_mode", "negative_loss",
-     "constant_inputs", "future_visible", "labels_not_shifted", "labels_shifted_twice", "gradients_clipped",
+     "constant_inputs", "future_visible", "eval_random", "examples_mixed", "labels_not_shifted",
+     "labels_shifted_twice", "gradients_clipped",
      "integer_targets", "dead_output", "outputs_bounded", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
     ("holdout_off_scale", "holdout_in_training", "repeated_batches", "unshuffled_batches", "padding_supervised",
@@ -4670,6 +4728,11 @@ FINDINGS = {
                       "below 0 by a million times its start: a term with its sign flipped (a VAE's KL subtracted)"),
     "future_visible": (("critical",), "analyzer", "a language model sees the tokens it predicts: its predictions "
                        "changed at earlier positions when only the last input token did (no causal mask)"),
+    "eval_random": (("warning",), "analyzer", "the model's outputs in eval() mode change between two passes over "
+                    "the same batch: something random stays on at evaluation (F.dropout without "
+                    "training=self.training)"),
+    "examples_mixed": (("warning",), "analyzer", "an example's outputs change with the order of the other examples "
+                       "in its batch: the model mixes examples along the batch axis (an RNN without batch_first)"),
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),
@@ -4789,6 +4852,10 @@ CONSEQUENCES = {
     # a holdout scored with the wrong normalisation: it looks worse than the model is, and gets worse as the
     # activations move away from 0 and 1
     "batchnorm_stats_at_init": ("holdout_at_chance", "overfitting", "forgetting", "holdout_off_scale"),
+    # a holdout scored through noise looks worse than the model, and worse than the train loss
+    "eval_random": ("overfitting", "forgetting", "holdout_at_chance"),
+    # a model that reads other examples for each one learns slowly and predicts what the batch makes it
+    "examples_mixed": ("holdout_at_chance", "overfitting", "forgetting", "loss_stalled", "not_learning"),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # each record sees one optimizer: the others' tensors are in none, the batch is passed twice, deltas restart

@@ -1427,14 +1427,15 @@ def digit_pixels():
 
 
 def digit_epochs(out, model, opt, x, y, epochs, loss_fn=F.cross_entropy, every=5, after_step=None,
-                 before_epoch=None, after_epoch=None, **holdout):
+                 before_epoch=None, after_epoch=None, enabled=True, **holdout):
     """`epochs` shuffled passes over examples 0-899 of (x, y) in 28 batches of 32 (a generator seeded 0), with
     the real TrainingTelemetry collecting every `every` steps into `out` and examples 900-999 as its holdout
     (`holdout` goes to set_holdout_data). after_step() runs between optimizer.step() and the hook, and
-    before_epoch(epoch) and after_epoch(epoch) around each epoch's batches."""
+    before_epoch(epoch) and after_epoch(epoch) around each epoch's batches. enabled=False: the same loop with
+    telemetry switched off."""
     from telemetry import TrainingTelemetry
 
-    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=every)
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=every, enabled=enabled)
     tel.set_holdout_data((x[900:1000], y[900:1000]), **holdout)
     gen = torch.Generator().manual_seed(0)
     for epoch in range(epochs):
@@ -1620,6 +1621,75 @@ def test_batchnorm_with_momentum_0_is_named_by_its_statistics_at_init(tmp_path):
     run, found = codes(tmp_path / "zero")
     assert at.diagnose(run)[0].code == "batchnorm_stats_at_init"
     run, found = codes(tmp_path / "default")
+    assert not loud(found)
+
+
+class FunctionalDropout(nn.Module):
+    """A digits MLP whose dropout is F.dropout in forward(): without training=self.training it stays on in
+    eval(), F.dropout's training defaulting to True."""
+
+    def __init__(self, follows_mode):
+        super().__init__()
+        self.hidden, self.out, self.follows_mode = nn.Linear(64, 128), nn.Linear(128, 10), follows_mode
+
+    def forward(self, x):
+        h = F.relu(self.hidden(x))
+        return self.out(F.dropout(h, 0.5, self.training) if self.follows_mode else F.dropout(h, 0.5))
+
+
+def test_dropout_left_on_in_eval_is_named_and_the_probe_leaves_the_training_alone(tmp_path):
+    """F.dropout(h, 0.5) in forward() stays on in eval(): in a sweep of such loops, fresh accuracy 0.89-0.90
+    against 0.95 with training=self.training, and nothing was said. Telemetry's first evaluation runs the
+    holdout's first batch twice: eval_random leads. The weights end bit-identical to a run without telemetry
+    (the probe's draws are put back), and the model that follows its mode is quiet."""
+    x, y = digit_pixels()
+    weights = {}
+    for name, follows in (("functional", False), ("follows_mode", True), ("without", False)):
+        torch.manual_seed(0)
+        model = FunctionalDropout(follows)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        digit_epochs(tmp_path / name, model, opt, x, y, 6, enabled=name != "without")
+        weights[name] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights["functional"], weights["without"]))
+    probe = [json.loads(line) for line in (tmp_path / "functional" / "telemetry.jsonl").open()][0]
+    assert probe["holdout_logits"]["eval_probe"]["repeat"] > 0.05
+    run, found = codes(tmp_path / "functional")
+    assert at.diagnose(run)[0].code == "eval_random" and "training=self.training" in found["eval_random"].hint
+    run, found = codes(tmp_path / "follows_mode")
+    assert not loud(found)
+
+
+class RowReader(nn.Module):
+    """Reads a digit's 8 rows of 8 pixels with an LSTM: without batch_first=True, [batch, rows, pixels] is read
+    as [time, batch, features], the batch as time."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.lstm, self.out = nn.LSTM(8, 64, batch_first=batch_first), nn.Linear(64, 10)
+
+    def forward(self, x):
+        out, _ = self.lstm(x.reshape(-1, 8, 8))
+        return self.out(out[:, -1])
+
+
+def test_an_lstm_without_batch_first_is_named_as_mixing_the_examples(tmp_path):
+    """nn.LSTM(8, 64) fed [batch, 8 rows, 8 pixels] without batch_first=True: each example's output is the
+    state after the earlier examples' rows: fresh accuracy far below batch_first's, and nothing was said.
+    The first evaluation also runs the holdout's first batch reversed: examples_mixed leads; batch_first is
+    quiet."""
+    x, y = digit_pixels()
+    fresh = {}
+    for name, batch_first in (("time_first", False), ("batch_first", True)):
+        torch.manual_seed(0)
+        model = RowReader(batch_first)
+        digit_epochs(tmp_path / name, model, torch.optim.Adam(model.parameters(), lr=3e-3), x, y, 6)
+        model.eval()
+        with torch.no_grad():
+            fresh[name] = float((model(x[1000:]).argmax(1) == y[1000:]).float().mean())
+    assert fresh["time_first"] < fresh["batch_first"] - 0.2
+    run, found = codes(tmp_path / "time_first")
+    assert at.diagnose(run)[0].code == "examples_mixed" and "batch_first=True" in found["examples_mixed"].hint
+    run, found = codes(tmp_path / "batch_first")
     assert not loud(found)
 
 
