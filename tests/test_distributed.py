@@ -210,6 +210,8 @@ def test_distributed_records_match_one_process(runs, mode):
     got = read(root / mode / "telemetry.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3]
     for ref, rec in zip(reference, got):
+        if mode != "ddp":  # under FSDP2 the ranks split the holdout's batches: its probe of one batch is not run
+            ref = {**ref, "holdout_logits": {k: v for k, v in ref["holdout_logits"].items() if k != "eval_probe"}}
         for layer, stats in ref["layer_stats"].items():
             # std = sqrt(E[g^2] - E[g]^2) cancels when g is nearly constant: float32 rounding of E[g^2]
             # leaves up to sqrt(float32 eps) ~ 3e-4 of the layer's norm, in any process count.
