@@ -1317,6 +1317,38 @@ def _zeroed_every_few_steps(run: Run) -> list:
              "micro-batches, call step() and zero_grad() together, once every k of them.")]
 
 
+# The share of a run's batches that reached no optimizer step, beyond which a loop that skips them is named.
+BATCHES_SKIPPED = 0.2
+
+
+def check_batches_skipped(run: Run) -> list:
+    """Batches that never reach an optimizer step, at a rate that varies: between collections in the same epoch
+    the batch index advanced by more than the optimizer's steps, by different ratios (gradient accumulation
+    gives one ratio, k batches a step). A loop that `continue`s past some batches, a guard on a NaN loss
+    above all, trains on the others alone, and says nothing."""
+    st, index, epoch, seg = steps(run), column(run, "batch_idx"), column(run, "epoch"), segment_ids(run)
+    both = np.isfinite(index) & np.isfinite(epoch)
+    pairs = np.array([(st[i + 1] - st[i], index[i + 1] - index[i]) for i in range(len(st) - 1)
+                      if both[i] and both[i + 1] and epoch[i] == epoch[i + 1] and seg[i] == seg[i + 1]
+                      and st[i + 1] > st[i] and index[i + 1] > index[i]])
+    if len(pairs) < 8:
+        return []
+    taken, seen = pairs[:, 0], pairs[:, 1]
+    ratios = seen / taken
+    skipped = 1 - taken.sum() / seen.sum()
+    if skipped < BATCHES_SKIPPED or (ratios != np.median(ratios)).mean() < 0.25:
+        return []
+    return [Finding(
+        "batches_skipped", "warning",
+        f"{skipped:.0%} of the batches never reached an optimizer step: between collections in the same epoch the "
+        f"batch index advanced {int(seen.sum())} times and the optimizer stepped {int(taken.sum())} times, at a rate "
+        f"that varies ({_fmt(ratios.min())} to {_fmt(ratios.max())} batches a step), which gradient accumulation "
+        "does not. The loop skips some batches and trains on the others alone.", _steps_list(st[:1]),
+        hint="Find why those batches are skipped and say so when they are: a guard such as `if not "
+             "torch.isfinite(loss): continue` hides NaN or inf in the data (impute or drop those rows before "
+             "training) or a model that blows up on them.")]
+
+
 def check_accumulation_discarded(run: Run) -> list:
     """Gradient accumulation whose micro-batches are zeroed away: the optimizer steps once every k batches, yet
     at nearly every collection (9 in 10, 3 at least) the gradients had fewer in-place changes than k backward()
@@ -4612,7 +4644,7 @@ def check_metric_errors(run: Run) -> list:
 # Every analyzer check, one finding code each; telemetry's alerts come last so that they can fold into
 # the analyzer's finding on the same problem.
 CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scratch, check_weights_rolled_back,
-          check_gradients_never_zeroed, check_accumulation_discarded, check_missing_gradients,
+          check_gradients_never_zeroed, check_batches_skipped, check_accumulation_discarded, check_missing_gradients,
           check_unregistered_parameters, check_not_in_optimizer, check_frozen_parameters, check_lr_zero,
           check_lr_collapsed, check_lr_below_base,
           check_low_precision_updates, check_adam_eps_dominates, check_adam_betas_unstable,
@@ -4646,7 +4678,7 @@ CHECK_FAILED = "analysis check failed:"   # the notice for a check that raised (
 # under it, not beside it.
 STAGES = (
     ("section_failed", "optimizers_in_turn", "restart_from_scratch", "weights_rolled_back", "gradients_never_zeroed",
-     "accumulation_discarded", "missing_gradients", "unregistered_parameters", "not_in_optimizer",
+     "batches_skipped", "accumulation_discarded", "missing_gradients", "unregistered_parameters", "not_in_optimizer",
      "frozen_parameters", "lr_zero",
      "lora_not_learning", "lr_collapsed", "lr_below_base", "low_precision_updates", "adam_eps_dominates",
      "adam_betas_unstable",
@@ -4686,6 +4718,8 @@ FINDINGS = {
     "gradients_never_zeroed": (("warning",), "analyzer", "the same gradient tensors change once per step in "
                                "place: backward() adds into them and nothing zeroes them (or zero_grad() runs only "
                                "every few steps)"),
+    "batches_skipped": (("warning",), "analyzer", "a fifth of the batches or more never reach an optimizer step, "
+                        "at a rate that varies: the loop skips them (a guard on a NaN loss) and trains on the rest"),
     "accumulation_discarded": (("warning",), "analyzer", "the optimizer steps every k batches, but its gradients "
                                "hold fewer backward() passes: zero_grad() between the micro-batches of gradient "
                                "accumulation"),
@@ -4834,6 +4868,8 @@ _OFF_SCALE = tuple(c for c in _AFTER_A_BLOWUP if c != "loss_spike")
 CONSEQUENCES = {
     # every step applies the sum of the gradients so far: steps that grow with the run, and all that follows
     "gradients_never_zeroed": _AFTER_A_BLOWUP,
+    # a skipped batch's gradients zeroed between two steps read as micro-batches thrown away
+    "batches_skipped": ("accumulation_discarded",),
     # a batch k times smaller than meant, at the lr chosen for the whole one: noisier steps
     "accumulation_discarded": ("loss_oscillating", "loss_spike", "exploding_gradients", "loss_diverging"),
     "missing_gradients": ("frozen_group", "exploding_gradients", "vanishing_gradients"),

@@ -1624,6 +1624,53 @@ def test_batchnorm_with_momentum_0_is_named_by_its_statistics_at_init(tmp_path):
     assert not loud(found)
 
 
+def test_batches_a_nan_guard_skips_are_named(tmp_path):
+    """3% of the training rows have a missing value (NaN), never imputed, and the loop's guard `if not
+    torch.isfinite(loss): continue` skips every batch holding one, about 60% of them: nothing was said (once
+    accumulation_discarded, the wrong cause). batches_skipped leads, with the share the loop itself counted;
+    the twin that imputes the column means is quiet."""
+    from telemetry import TrainingTelemetry
+
+    x, y = digit_pixels()
+    rows = torch.randperm(900, generator=torch.Generator().manual_seed(1))[:27]
+    for name, impute in (("guarded", False), ("imputed", True)):
+        train = x[:900].clone()
+        train[rows, 10] = float("nan")
+        if impute:
+            train[rows, 10] = train[:, 10].nanmean()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
+        tel.set_holdout_data((x[900:1000], y[900:1000]))
+        gen, seen, skipped = torch.Generator().manual_seed(0), 0, 0
+        for epoch in range(6):
+            order = torch.randperm(900, generator=gen)
+            for i in range(28):
+                idx = order[i * 32:(i + 1) * 32]
+                loss = F.cross_entropy(model(train[idx]), y[idx])
+                seen += 1
+                if not torch.isfinite(loss):
+                    opt.zero_grad()
+                    skipped += 1
+                    continue
+                loss.backward()
+                opt.step()
+                tel.on_batch_end(model, opt, i, epoch, batch=(train[idx], y[idx]), loss=loss)
+                opt.zero_grad()
+        tel.close()
+        if not impute:
+            assert skipped / seen > 0.4
+            run, found = codes(tmp_path / name)
+            assert at.diagnose(run)[0].code == "batches_skipped"
+            said = float(found["batches_skipped"].message.split("%")[0]) / 100
+            assert abs(said - skipped / seen) < 0.1
+        else:
+            assert skipped == 0
+            run, found = codes(tmp_path / name)
+            assert not loud(found)
+
+
 class FunctionalDropout(nn.Module):
     """A digits MLP whose dropout is F.dropout in forward(): without training=self.training it stays on in
     eval(), F.dropout's training defaulting to True."""
