@@ -2270,6 +2270,49 @@ def check_examples_mixed(run: Run) -> list:
              "axis (.permute() or .flatten(1) keep it), or an operation over dim 0.")]
 
 
+# A forward that masks its padding scores a row's tokens alike in a padded batch and alone, to rounding (in
+# float32, to the last digits; bf16 kernels that batch otherwise move a row's mean NLL by some 0.1%). The median
+# evaluation's row off by 1% reads its padding.
+PADDING_CHANGE = 1e-2
+
+
+def check_padding_read(run: Run) -> list:
+    """A language model whose holdout row with the most padding scores its tokens otherwise than the same row
+    alone, unpadded (telemetry's padding_probe, at each evaluation): its forward reads the padding as context
+    (a left-padded batch through attention that ignores attention_mask), so every score of a padded batch
+    measures the padding too."""
+    h = holdout_data(run)
+    seen = []
+    for step, raw in zip(h.steps, h.raw) if h else ():
+        pair = raw.get("padding_nll") if isinstance(raw, dict) else None
+        if isinstance(pair, list) and len(pair) == 2 and all(_has_type(v, (int, float)) and math.isfinite(v)
+                                                             for v in pair) and pair[1] > 0:
+            seen.append((int(step), pair, raw.get("padding_positions")))
+    changes = [abs(pair[0] - pair[1]) / pair[1] for _, pair, _ in seen]
+    if not changes or not float(np.median(changes)) > PADDING_CHANGE:
+        return []
+    step, (padded, alone), positions = seen[-1]
+    shares = [_num(r.get("batch_stats", {}).get("padding_share")) for r in run.records
+              if isinstance(r.get("batch_stats"), dict)]
+    shares = [v for v in shares if math.isfinite(v)]
+    trained = (f" The training batches are {_fmt(100 * float(np.mean(shares)))}% padding: if they go through the same "
+               "forward, training reads it too, and the model learns text that is not there."
+               if shares and np.mean(shares) > 0 else "")
+    many = f"{positions} positions of padding" if _has_type(positions, int) else "padding"
+    return [Finding(
+        "padding_read", "warning",
+        f"the model's outputs depend on padding: the holdout's row with the most padding ({many}) scores its "
+        f"tokens at a mean NLL of {_fmt(padded)} in its batch and {_fmt(alone)} alone, unpadded, at step {step} "
+        f"(the median evaluation {_fmt(100 * float(np.median(changes)))}% apart, where a forward that masks its "
+        "padding differs by rounding). Its attention reads the padding as context, or its positions count it; "
+        "the holdout's scores measure the padding as well as the model." + trained,
+        _steps_list([s for s, _, _ in seen]),
+        hint="Pass attention_mask through to the attention (a wrapper's forward that drops it lets every position "
+             "read the padding). With learned absolute positions (GPT-2), left padding also moves the text's "
+             "positions: pass position_ids counted from each row's first token, or pad on the right "
+             "(tokenizer.padding_side = \"right\" before tokenizing the holdout and the training text).")]
+
+
 def _late_beside_next_token(run: Run, key: str):
     """(_late of a language model holdout's per-evaluation `key`, a share of its positions; _late of its
     next-token accuracy; the positions its last evaluation counted), or None where either has too few
@@ -4652,7 +4695,7 @@ CHECKS = (check_section_failed, check_optimizers_in_turn, check_restart_from_scr
           check_ignored_group_key, check_softmax_over_batch, check_probability_outputs, check_lora,
           check_frozen_groups, check_eval_mode,
           check_negative_loss, check_train_loss_near_zero, check_constant_inputs, check_future_visible,
-          check_eval_random, check_examples_mixed,
+          check_eval_random, check_examples_mixed, check_padding_read,
           check_labels_not_shifted, check_labels_shifted_twice,
           check_gradients_clipped, check_integer_targets, check_dead_output, check_outputs_bounded, check_gradient_cut,
           check_weights_collapsed, check_not_learning,
@@ -4687,7 +4730,7 @@ STAGES = (
      "ignored_group_key", "softmax_over_batch", "probability_outputs", "unscaled_inputs", "outputs_off_scale",
      "unscaled_targets",
      "eval_mode", "negative_loss",
-     "constant_inputs", "future_visible", "eval_random", "examples_mixed", "labels_not_shifted",
+     "constant_inputs", "future_visible", "eval_random", "examples_mixed", "padding_read", "labels_not_shifted",
      "labels_shifted_twice", "gradients_clipped",
      "integer_targets", "dead_output", "outputs_bounded", "gradient_cut",
      "train_loss_near_zero", "weights_collapsed", "not_learning"),
@@ -4767,6 +4810,9 @@ FINDINGS = {
                     "training=self.training)"),
     "examples_mixed": (("warning",), "analyzer", "an example's outputs change with the order of the other examples "
                        "in its batch: the model mixes examples along the batch axis (an RNN without batch_first)"),
+    "padding_read": (("warning",), "analyzer", "a language model scores the tokens of a padded holdout row "
+                     "otherwise than the row alone: its attention reads the padding as context (a forward that "
+                     "drops attention_mask), or its positions count it"),
     "labels_not_shifted": (("critical",), "analyzer", "a language model predicts the token at each position, "
                            "not the next: the loss scores positions against their own tokens, and it learns to "
                            "copy its input"),
@@ -4892,6 +4938,8 @@ CONSEQUENCES = {
     "eval_random": ("overfitting", "forgetting", "holdout_at_chance"),
     # a model that reads other examples for each one learns slowly and predicts what the batch makes it
     "examples_mixed": ("holdout_at_chance", "overfitting", "forgetting", "loss_stalled", "not_learning"),
+    # a holdout scored through its padding looks worse than the model, and so does a model trained through it
+    "padding_read": ("overfitting", "forgetting", "holdout_at_chance", "loss_stalled"),
     "lora_not_learning": ("frozen_group", "not_learning", "loss_stalled"),
     "not_learning": ("loss_stalled", "holdout_at_chance", "overfitting", "forgetting"),
     # each record sees one optimizer: the others' tensors are in none, the batch is passed twice, deltas restart

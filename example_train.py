@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 from torch import nn
@@ -273,18 +274,19 @@ def unsloth_model(model_dir: str, seed: int = 0, load_in_4bit: bool = False, che
     return model, tokenizer
 
 
-def sft_holdout(tokenizer, seed: int = 0) -> dict:
-    """32 "a+b=c" lines the run never trains on, as one padded batch; labels are the ids, -100 on padding."""
+def sft_holdout(tokenizer, seed: int = 0, padding_side: str = "right") -> dict:
+    """32 "a+b=c" lines the run never trains on, as one batch padded on `padding_side`; labels are the ids, -100
+    on padding. The side is set here, not taken from the tokenizer, whose state a trainer may change."""
     held = tokenizer([p + a for p, a in arithmetic_pairs(32, torch.Generator().manual_seed(10_000 + seed))],
-                     return_tensors="pt", padding=True)
+                     return_tensors="pt", padding=True, padding_side=padding_side)
     return {"input_ids": held["input_ids"], "attention_mask": held["attention_mask"],
             "labels": held["input_ids"].masked_fill(held["attention_mask"] == 0, -100)}
 
 
 def sft_trainer(model, tokenizer, out: str, max_steps: int = 60, collect_every_n: int = 5, seed: int = 0,
-                learning_rate: float = 2e-3, accumulation: int = 1):
+                learning_rate: float = 2e-3, accumulation: int = 1, holdout: Optional[dict] = None):
     """TRL's SFTTrainer over "a+b=c" text with telemetry.hf_callback(), the Trainer logging every optimizer step
-    (of `accumulation` micro-batches of 16)."""
+    (of `accumulation` micro-batches of 16); the holdout is sft_holdout's unless given."""
     import inspect
 
     from datasets import Dataset
@@ -293,7 +295,7 @@ def sft_trainer(model, tokenizer, out: str, max_steps: int = 60, collect_every_n
     texts = [p + a for p, a in arithmetic_pairs(2048, torch.Generator().manual_seed(seed))]
     telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out, collect_every_n=collect_every_n,
                                                   holdout_size=32, batch_label_key="labels"))
-    telemetry.set_holdout_data(sft_holdout(tokenizer, seed))
+    telemetry.set_holdout_data(sft_holdout(tokenizer, seed) if holdout is None else holdout)
     fields = inspect.signature(SFTConfig).parameters  # TRL renamed max_seq_length to max_length
     length_key = "max_length" if "max_length" in fields else "max_seq_length"
     config = SFTConfig(output_dir=os.path.join(out, "trainer"), max_steps=max_steps, learning_rate=learning_rate,

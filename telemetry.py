@@ -492,12 +492,15 @@ def _probability_bce(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
                            token_ids: Optional[List[int]] = None, shift: bool = True,
-                           ahead: bool = False) -> Dict[str, Any]:
+                           ahead: bool = False, attention_mask: Optional[torch.Tensor] = None) -> Dict[str, Any]:
     """Per-example mean token NLL and top-1 token accuracy for per-token logits [N, T, V].
 
     With `shift`, labels are the inputs' own tokens, which an HF causal LM shifts itself: position t
     predicts token t+1. Without it, position t is scored against labels[:, t] (a tagger, a masked LM, a
-    decoder's targets, or next tokens shifted already). Positions labelled IGNORE_INDEX are skipped. The full
+    decoder's targets, or next tokens shifted already). Positions labelled IGNORE_INDEX are skipped, and with
+    `shift` so are the predictions made at padding (attention_mask 0): a left-padded row's first token would
+    be scored from padding alone, which no unpadded row is, and its scores would depend on the side it is
+    padded on. The full
     [N, T, V] logits are never kept. With `token_ids`, `token_logits` [N, len(token_ids)] holds those tokens'
     logits at the position that predicts each example's first supervised token (e.g. the answer after a
     masked prompt; the last position if none is supervised).
@@ -514,6 +517,8 @@ def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
         logits, here, target = logits[:, :-1, :], target[:, :-1].long(), target[:, 1:]
     logits, target = logits.float(), target.long()
     valid = target != IGNORE_INDEX
+    if shift and isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == tuple(labels.shape):
+        valid = valid & (attention_mask.detach()[:, :-1].to(valid.device) != 0)
     nll = torch.nn.functional.cross_entropy(
         logits.transpose(1, 2), target.clamp(min=0), reduction="none") * valid
     predicted = logits.argmax(-1)
@@ -873,7 +878,8 @@ def _has_nonfinite(node: Any) -> bool:
 _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "reference_step",
                     "layer_stats", "grad_profile", "activations", "param_change/per_layer",
                     "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
-                    "holdout_logits/num_classes", "holdout_logits/outputs", "batch_stats/counts",
+                    "holdout_logits/num_classes", "holdout_logits/outputs", "holdout_logits/padding_positions",
+                    "batch_stats/counts",
                     "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
                     "batch_stats/input_elements", "batch_stats/holdout_matches", "batch_stats/holdout_checked",
                     "batch_stats/checked_pairs",
@@ -4879,6 +4885,7 @@ class _Holdout:
         self.shift = True  # per-token labels are the inputs' own tokens, shifted by the model (see own_tokens)
         self.sees_future: Optional[bool] = None  # see future_probe; None until probed
         self.eval_probe: Optional[Dict[str, float]] = None  # see order_probe; None until probed
+        self.padding_row: Any = None  # see padded_row; None until looked for, False where there is none
         self.token_input: Any = None  # see token_input
         self.activations: Optional[Dict[str, Any]] = None  # what the last evaluation's forward showed
         # A bool on the device: no evaluation so far had one output per example outside [0, 1] (see
@@ -4913,7 +4920,7 @@ class _Holdout:
                                  "inputs are not all tensors; pass forward=lambda model, batch: ...")
             found.append(got)
         self.batches, self.on_device, self.probabilities, self.signatures = batches, {}, None, {}
-        self.sees_future = self.eval_probe = None
+        self.sees_future = self.eval_probe = self.padding_row = None
         self.forward, self.labels, self.output = forward, labels, output
         self.regression = any(is_regression_target(t) for t in found)
         # Integer labels beyond 0/1 against one output per example: a regression on them (ordinal targets, or
@@ -5121,7 +5128,17 @@ class _Holdout:
         before = logits.detach().float()[:, :-1]
         if other.shape != before.shape:
             return None
-        return bool((other - before).abs().max() > 1e-3 * before.abs().max() + 1e-6)
+        change, largest = (other - before).abs(), before.abs()
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if isinstance(mask, torch.Tensor) and mask.shape == ids.shape and before.dim() >= 2:
+            # Padding positions predict nothing, and need not be causal: a query at left padding has no key it may
+            # attend to, and kernels fill such a row as they will, from every position included. Only the
+            # positions of the text count.
+            text = (mask[:, :-1] != 0).to(before.device)
+            if not bool(text.any()):
+                return None
+            change, largest = change[text], largest[text]
+        return bool(change.max() > 1e-3 * largest.max() + 1e-6)
 
     def order_probe(self, model: torch.nn.Module, batch: Any, logits: torch.Tensor) -> Optional[Dict[str, float]]:
         """Whether the model in eval() mode gives each example of a batch the same outputs on a second pass, and
@@ -5156,6 +5173,56 @@ class _Holdout:
         repeat, reorder = torch.stack([repeat, reorder]).tolist()
         return {"repeat": repeat, "reorder": reorder}
 
+    def padded_row(self, batch: Any, logits: torch.Tensor) -> Optional[tuple]:
+        """For padding_probe: (the row of a language model's batch with the most padding, alone and unpadded, as a
+        batch of one; that row's logits at its tokens, [tokens, vocab]; their labels), or None where the batch is
+        not a dict of token ids whose attention_mask pads some row. The row and its positions are found once (one
+        sync): the holdout's batches never change."""
+        if self.padding_row is None:
+            self.padding_row = False
+            ids = batch.get(self.token_input) if isinstance(batch, dict) else None
+            mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+            if isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2 \
+                    and mask.shape == ids.shape:
+                pads = (mask == 0).sum(1).cpu()
+                row = int(pads.argmax())
+                if int(pads[row]):
+                    self.padding_row = (row, (mask[row] != 0).nonzero().reshape(-1).cpu(), tuple(ids.shape),
+                                        int(pads[row]))
+        if not self.padding_row or logits.dim() != 3 or tuple(logits.shape[:2]) != self.padding_row[2]:
+            return None
+        row, keep, (n, length), _ = self.padding_row
+        keep = keep.to(logits.device)
+        labels = holdout_labels(batch, self.config.batch_label_key, self.labels)[0]
+        if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (n, length):
+            return None
+        alone = {k: v[row].index_select(0, keep.to(v.device))[None] if isinstance(v, torch.Tensor)
+                 and tuple(v.shape[:2]) == (n, length) else v[row:row + 1]
+                 if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v for k, v in batch.items()}
+        return alone, logits.detach()[row].index_select(0, keep), labels[row].to(logits.device).index_select(0, keep)
+
+    def padding_probe(self, model: torch.nn.Module, alone: Any, padded: torch.Tensor,
+                      target: torch.Tensor) -> Optional[Dict[str, Any]]:
+        """Whether a language model scores the tokens of its holdout's most padded row as it does with the row
+        alone, unpadded: {"padding_nll": [the row's mean NLL in the batch, alone], "padding_positions": how many
+        of its positions are padding}. A forward that masks its padding (or pads after the text, under a causal
+        mask) differs by rounding; one that reads the padding as context (a left-padded batch through attention
+        that ignores attention_mask) does not, and every score of a padded batch then measures the padding too.
+        One more forward of one row an evaluation; None where it fails or gives outputs of another shape."""
+        try:
+            single = self.forward_one(model, alone)[0].detach()
+        except Exception:  # one more forward that fails (a model that takes one shape only) says nothing
+            return None
+        if single.dim() != 3 or tuple(single.shape[1:]) != tuple(padded.shape):
+            return None
+        single = single[0]
+        if self.shift:  # the positions that exist in both: the padded row's first token is predicted from padding
+            single, padded, target = single[:-1], padded[:-1], target[1:]
+        valid = (target != IGNORE_INDEX).float()
+        nll = [(torch.nn.functional.cross_entropy(x.float(), target.long().clamp(min=0), reduction="none") * valid).sum()
+               / valid.sum().clamp(min=1) for x in (padded, single)]
+        return {"padding_nll": torch.stack(nll), "padding_positions": self.padding_row[3]}
+
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
         """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models,
         squared and absolute errors for regression)."""
@@ -5172,13 +5239,17 @@ class _Holdout:
             if logits.dim() == 3 and not self.regression:  # reduce each batch at once: [batch, seq, vocab] is large
                 if self.token_input is not None and self.sees_future is None and not ranks.lockstep and not probe:
                     probe.append((batch, logits))  # probed below, once the activations are no longer watched
+                if self.token_input is not None and not ranks.lockstep and not padding:
+                    padding.append(self.padded_row(batch, logits))
+                mask = batch.get("attention_mask") if isinstance(batch, dict) else None
                 return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift,
-                                              ahead=self.token_input is not None)
+                                              ahead=self.token_input is not None, attention_mask=mask)
             return logits, labels
 
         watch = _ActivationWatch(model) if self.config.track_activations and not ranks.lockstep else None
         probe: List[tuple] = []
         order: List[tuple] = []
+        padding: List[Optional[tuple]] = []
         with _evaluating(model):
             with watch.watching() if watch is not None else contextlib.nullcontext():
                 parts = ranks.over_batches("holdout", self.on(model, device), score)
@@ -5186,6 +5257,7 @@ class _Holdout:
                 self.sees_future = self.future_probe(model, *probe[0])
             if order:
                 self.eval_probe = self.order_probe(model, *order[0]) or {}
+            padded = self.padding_probe(model, *padding[0]) if padding and padding[0] else None
         self.activations = watch.section() if watch is not None else None
         if parts is None:
             return None
@@ -5194,6 +5266,7 @@ class _Holdout:
             merged = merge_lm_holdout(lm)
             if self.sees_future is not None:
                 merged["sees_future"] = self.sees_future
+            merged.update(padded or {})
             return self._with_probe(merged)
         outputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1].reshape(p[1].shape[0], -1) for p in parts])
         if self.regression or (self.graded and (outputs.dim() == 1 or outputs.shape[-1] == 1)):

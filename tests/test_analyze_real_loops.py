@@ -1740,6 +1740,158 @@ def test_an_lstm_without_batch_first_is_named_as_mixing_the_examples(tmp_path):
     assert not loud(found)
 
 
+def left_padded_source_lines(length=40):
+    """Lines of Python's argparse and os source (over 12 characters), shuffled, as byte ids below 128 padded on the
+    left with 0: (ids, attention mask, labels: the ids, -100 on padding)."""
+    import argparse
+    import os
+
+    lines = [line.strip() for m in (argparse, os) for line in open(m.__file__, encoding="utf-8").read().splitlines()
+             if len(line.strip()) > 12]
+    lines = [lines[i] for i in torch.randperm(len(lines), generator=torch.Generator().manual_seed(0))]
+    ids = torch.zeros(len(lines), length, dtype=torch.long)
+    for i, line in enumerate(lines):
+        ids[i, length - min(len(line), length):] = torch.tensor([min(ord(c), 127) for c in line[:length]])
+    mask = (ids > 0).long()
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+class MaskDropped(nn.Module):
+    """A wrapper whose forward takes attention_mask and never passes it on: every position attends to the
+    padding before the text."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.lm(input_ids=input_ids, labels=labels)
+
+
+def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tmp_path):
+    """A tiny Llama on left-padded lines of Python's source, through a wrapper that drops attention_mask: each
+    line is read after its padding, and on fresh lines alone it scores worse than the same model given its mask;
+    nothing was said. Telemetry scores the holdout's most padded row alone at each evaluation too: padding_read
+    names it, its NLLs equal to a manual eval() pass of the final weights, in the batch and alone. The Llama given
+    its mask scores the row alike both ways and is quiet; the wrapper's weights end bit-identical to a run
+    without telemetry."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from telemetry import TrainingTelemetry
+
+    ids, mask, labels = left_padded_source_lines()
+    fresh, models, weights = {}, {}, {}
+    for name in ("masked", "dropped", "without"):
+        torch.manual_seed(0)
+        lm = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=128))
+        model = models[name] = lm if name == "masked" else MaskDropped(lm)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5, enabled=name != "without")
+        tel.set_holdout_data({"input_ids": ids[-64:], "attention_mask": mask[-64:], "labels": labels[-64:]})
+        gen = torch.Generator().manual_seed(1)
+        for i in range(96):  # the last step is collected: the record's weights are the final ones
+            pick = torch.randint(0, len(ids) - 500, (16,), generator=gen)
+            batch = {"input_ids": ids[pick], "attention_mask": mask[pick], "labels": labels[pick]}
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
+            opt.zero_grad()
+        tel.close()
+        weights[name] = [p.detach().clone() for p in model.parameters()]
+        model.eval()
+        with torch.no_grad():  # next-token NLL of 100 fresh lines, each alone and unpadded
+            rows = [ids[r][mask[r] == 1][None] for r in range(len(ids) - 400, len(ids) - 300)]
+            fresh[name] = float(torch.cat([F.cross_entropy(lm(input_ids=x).logits[0, :-1], x[0, 1:], reduction="none")
+                                           for x in rows]).mean())
+    assert all(torch.equal(a, b) for a, b in zip(weights["dropped"], weights["without"]))
+    assert fresh["dropped"] > fresh["masked"] + 0.1, fresh
+    for name in ("masked", "dropped"):
+        last = [json.loads(line) for line in (tmp_path / name / "telemetry.jsonl").open()][-1]
+        assert last["step"] == 96
+        hold = {k: v[-64:] for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
+        row = int((hold["attention_mask"] == 0).sum(1).argmax())
+        keep = hold["attention_mask"][row] == 1
+        with torch.no_grad():  # the manual pass: the row's logits at its tokens, in the batch and alone
+            padded = models[name](input_ids=hold["input_ids"], attention_mask=hold["attention_mask"]).logits[row][keep]
+            alone = models[name](input_ids=hold["input_ids"][row][keep][None]).logits[0]
+        target = hold["input_ids"][row][keep][1:]
+        reference = [float(F.cross_entropy(x[:-1].double(), target)) for x in (padded, alone)]
+        assert last["holdout_logits"]["padding_nll"] == pytest.approx(reference, rel=1e-5)
+        assert last["holdout_logits"]["padding_positions"] == int((~keep).sum())
+    run, found = codes(tmp_path / "dropped")
+    assert "padding_read" in loud(found) and "attention_mask" in found["padding_read"].hint
+    assert at.diagnose(run)[0].code == "padding_read", found
+    run, found = codes(tmp_path / "masked")
+    assert not loud(found)
+
+
+class PaddedByteLM(nn.Module):
+    """A one-layer transformer over byte ids that takes attention_mask, its positions counted from the text's first
+    token. A query at left padding has no key it may attend to: this one lets such a row attend to every position,
+    as attention kernels may fill it. causal=False leaves out the causal mask."""
+
+    def __init__(self, causal=True):
+        super().__init__()
+        self.causal = causal
+        self.tok, self.pos = nn.Embedding(128, 64), nn.Embedding(64, 64)
+        self.body = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, input_ids, attention_mask):
+        n, t = input_ids.shape
+        allowed = attention_mask[:, None, :].bool().expand(n, t, t)
+        if self.causal:
+            allowed = allowed & torch.ones(t, t, dtype=torch.bool).tril()
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # a row with no key it may attend to attends to all
+        bias = torch.zeros(n, t, t).masked_fill(~allowed, float("-inf")).repeat_interleave(4, 0)
+        positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        return self.head(self.body(self.tok(input_ids) + self.pos(positions), src_mask=bias))
+
+
+def test_left_padding_that_attends_ahead_is_no_future_visible(tmp_path):
+    """A causal byte LM on left-padded lines of Python's source whose padding positions attend to every position
+    (a kernel's way with a row that has no key it may attend to). Telemetry's future probe changes each line's
+    last token: the padding positions' outputs move, the text's do not. It counted the padding and future_visible
+    fired, critical, on a healthy run; it now looks at the text's positions: quiet, and its holdout scores its
+    lines as they score alone. Without the causal mask the text's positions move too, and future_visible leads."""
+    from telemetry import TrainingTelemetry
+
+    ids, mask, labels = left_padded_source_lines()
+    for causal in (True, False):
+        torch.manual_seed(0)
+        model = PaddedByteLM(causal)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / str(causal)), collect_every_n=5)
+        tel.set_holdout_data({"input_ids": ids[-64:], "attention_mask": mask[-64:], "labels": labels[-64:]})
+        gen = torch.Generator().manual_seed(1)
+        for i in range(60):
+            pick = torch.randint(0, len(ids) - 500, (16,), generator=gen)
+            logits = model(ids[pick], mask[pick])
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 128), labels[pick][:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, 0, batch={"input_ids": ids[pick], "attention_mask": mask[pick],
+                                                      "labels": labels[pick]}, loss=loss)
+            opt.zero_grad()
+        tel.close()
+    with torch.no_grad():  # the padding positions do read ahead: the last token changes their outputs
+        model = PaddedByteLM(True).eval()
+        x, m = ids[-64:], mask[-64:]
+        changed = x.clone()
+        changed[:, -1] = x[:, -1].roll(1, 0)
+        moved = (model(changed, m) - model(x, m)).abs().amax(-1)[:, :-1]
+        assert moved[m[:, :-1] == 0].max() > 1e-2 and moved[m[:, :-1] == 1].max() < 1e-5
+    run, found = codes(tmp_path / "True")
+    hold = run.records[-1]["holdout_logits"]
+    assert hold["sees_future"] is False and hold["padding_nll"][0] == pytest.approx(hold["padding_nll"][1], rel=1e-5)
+    assert not loud(found)
+    run, found = codes(tmp_path / "False")
+    assert run.records[-1]["holdout_logits"]["sees_future"] is True
+    assert at.diagnose(run)[0].code == "future_visible", found
+
+
 def test_a_loss_on_the_other_output_of_a_tuple_names_the_layers_it_never_reaches(tmp_path):
     """A digits MLP returns (features, logits) and its loss takes the features: its head gets no gradient and
     stays as initialised, right on about 1 fresh digit in 10, where the loss on the logits gets 9 in 10. The

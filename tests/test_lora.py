@@ -403,8 +403,10 @@ def test_lm_holdout_matches_hf_loss_and_passes_no_labels(tmp_path):
         hook.remove()
     # the two batches, the first once more with its last token changed: a causal LM's earlier predictions
     # stay as they were (future_probe), and the first again as it was and reversed (order_probe), at the first
-    # evaluation only
-    assert len(seen) == 5 and all("labels" not in keys for keys in seen) and hold["sees_future"] is False
+    # evaluation only; and the first batch's most padded row alone (padding_probe), which padding after the text
+    # leaves as it scores in its batch
+    assert len(seen) == 6 and all("labels" not in keys for keys in seen) and hold["sees_future"] is False
+    assert hold["padding_positions"] == 7 and hold["padding_nll"][0] == pytest.approx(hold["padding_nll"][1], rel=1e-5)
     assert hold["eval_probe"]["repeat"] == 0 and hold["eval_probe"]["reorder"] < 1e-5
     assert model.training  # the holdout put train mode back
 
@@ -629,7 +631,9 @@ def test_example_unsloth_without_unsloth_exits_2_with_a_clear_message(tmp_path):
 def test_unsloth_run_against_peft_the_trainer_and_an_eval_pass(tmp_path):
     """tests/unsloth_check.py in a process of its own (unsloth first): unsloth's FastLanguageModel and TRL's
     SFTTrainer, on a GPU where there is one (else unsloth's CPU fallback): a healthy run, one at lr 0, one with
-    unsloth's gradient checkpointing, one of 4 micro-batches a step, and a 4-bit base where bitsandbytes imports."""
+    unsloth's gradient checkpointing, one of 4 micro-batches a step, one whose holdout is padded before the text,
+    and a 4-bit base where bitsandbytes imports. Where the model scores a line padded before its text otherwise than
+    alone (unsloth's fast path on a GPU), padding_read says so, and that run alone has a finding."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run([sys.executable, os.path.join("tests", "unsloth_check.py"), str(tmp_path), "--steps", "30"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
@@ -637,7 +641,7 @@ def test_unsloth_run_against_peft_the_trainer_and_an_eval_pass(tmp_path):
     with open(tmp_path / "results.json") as f:
         results = json.load(f)
     runs = {label: res for label, res in results.items() if isinstance(res, dict)}
-    assert runs.keys() >= {"healthy", "lr0", "accumulation", "checkpointing"}  # and qlora where bitsandbytes imports
+    assert runs.keys() >= {"healthy", "lr0", "accumulation", "checkpointing", "left_padded"}  # and qlora
     assert results["healthy"]["base_layers"] == ["Linear"]
     for label, res in runs.items():
         assert "error" not in res, res.get("error")
@@ -649,6 +653,17 @@ def test_unsloth_run_against_peft_the_trainer_and_an_eval_pass(tmp_path):
         assert res["weight_norm_rel"] < 1e-5 and res["frozen_unchanged"] and res["reference_is_trainable_only"]
         assert res["holdout_kind"] == "lm" and res["holdout_n"] == [32, 32]
         assert res["holdout_nll_rel_max"] < 1e-4 and res["holdout_accuracy_abs_max"] < 1e-6
+        # the most padded line's NLL in its batch and alone, against the same two passes of the final weights
+        reference = res["padding_nll_reference"]
+        assert res["padding_nll"] == pytest.approx(reference, rel=1e-4)
+        reads = rel(*reference) > 3e-2 if label == "left_padded" else False
+        if label != "left_padded":  # padding after the text, under a causal mask, changes nothing
+            assert res["holdout_unpadded_nll_rel_max"] < 1e-3 and rel(*reference) < 1e-3
+        elif not reads:  # each line scored as alone, to rounding (bf16 on a GPU: some 0.1%)
+            assert rel(*reference) < 3e-3, reference  # between the two, the analyzer's median may go either way
+            assert res["holdout_unpadded_nll_rel_max"] < 1e-2
+        loud = {code for code, severity in res["every_finding"] if severity != "info"}
+        assert ("padding_read" in loud) == reads, (label, reference, res["every_finding"])
         assert not res["check_failed"]
         if label == "qlora":  # the frozen base is bitsandbytes' 4-bit layers, which the records leave alone
             assert res["base_layers"] == ["Linear4bit"]
@@ -659,7 +674,7 @@ def test_unsloth_run_against_peft_the_trainer_and_an_eval_pass(tmp_path):
             assert res["adapter_norm_rel"] < 1e-4 and res["adapter_norm_layer_rel_max"] < 1e-4
             assert res["adapter_norm_float64_rel"] < 1e-6  # peft's product is formed in the adapters' dtype
             assert res["final_loss"] < res["first_loss"]
-            assert not [f for f in res["every_finding"] if f[1] != "info"], res["every_finding"]
+            assert loud == ({"padding_read"} if reads else set()), res["every_finding"]
         if results["device"] != "cpu":  # the record's peak is the process's at that step, at most the final one
             system = res["system"]
             assert 0 < system["cuda_allocated_mb"] <= system["cuda_peak_mb"]

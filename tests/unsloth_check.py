@@ -1,9 +1,10 @@
 """example_train.py's unsloth LoRA fine-tune, its records checked against independent references: the adapters'
 norms against peft's get_delta_weight and s*B*A in float64, the gradient norm against float64 sums of the
 gradients and the Trainer's own logged grad_norm, the loss against the Trainer's, the LM holdout against an
-eval() pass of the trained model, the CUDA memory figures against torch.cuda.max_memory_allocated, and the
-analyzer's findings. Runs: a healthy one, one at lr 0, one with unsloth's gradient checkpointing, one of 4
-micro-batches a step, and with bitsandbytes a 4-bit base (QLoRA). Prints one JSON object of measured errors and
+eval() pass of the trained model over the same batch and over each line alone, the padding probe against the
+same, the CUDA memory figures against torch.cuda.max_memory_allocated, and the analyzer's findings. Runs: a
+healthy one, one at lr 0, one with unsloth's gradient checkpointing, one of 4 micro-batches a step, one whose
+holdout is padded before the text, and with bitsandbytes a 4-bit base (QLoRA). Prints one JSON object of measured errors and
 writes it to OUT/results.json.
 
     python tests/unsloth_check.py OUT    # unsloth, trl and datasets; a CUDA GPU, or unsloth's CPU fallback
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
             ("lr0", dict(learning_rate=0.0, max_steps=20), {}),
             ("accumulation", dict(accumulation=4, max_steps=20), {})]
     runs.append(("checkpointing", dict(max_steps=20), dict(checkpointing="unsloth")))
+    runs.append(("left_padded", dict(max_steps=20, padding_side="left"), {}))  # a holdout padded before the text
     try:
         import bitsandbytes  # noqa: F401
         runs.append(("qlora", dict(max_steps=20), dict(load_in_4bit=True)))
@@ -83,7 +85,9 @@ def check_run(example_train, model_dir, out, build_args, train):
 
     model, tokenizer = example_train.unsloth_model(model_dir, **build_args)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    trainer = example_train.sft_trainer(model, tokenizer, out, **train)
+    train = dict(train)
+    held = example_train.sft_holdout(tokenizer, padding_side=train.pop("padding_side", "right"))
+    trainer = example_train.sft_trainer(model, tokenizer, out, holdout=held, **train)
     # An independent reference: each trainable gradient's float64 square sum as the step's last backward leaves
     # it, before the Trainer clips (global_step counts the steps taken, so the one being computed is one more;
     # under accumulation a later micro-batch's value replaces an earlier one's).
@@ -147,27 +151,41 @@ def check_run(example_train, model_dir, out, build_args, train):
     with safe_open(os.path.join(out, telemetry.REFERENCE_FILE), "pt") as f:
         res["reference_is_trainable_only"] = set(f.keys()) == set(trained)
 
-    # The LM holdout: per-example NLL and token accuracy against an eval() pass of the same model in float64.
+    # The LM holdout: per-example NLL and token accuracy against an eval() pass of the same model over the same
+    # padded batch, logits in float64; and against each line alone, unpadded (what the model makes of the text).
     hold = last["holdout_logits"]
-    batch = {k: v.to(next(model.parameters()).device) for k, v in example_train.sft_holdout(tokenizer).items()}
+    batch = {k: v.to(next(model.parameters()).device) for k, v in held.items()}
     was_training = model.training
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+        keep = [batch["attention_mask"][i] == 1 for i in range(len(logits))]
+        alone = [model(input_ids=batch["input_ids"][i][k][None]).logits[0].double() for i, k in enumerate(keep)]
     model.train(was_training)
-    labels = batch["labels"][:, 1:]
-    logits = logits[:, :-1]
-    nll, acc = [], []
-    for i in range(len(labels)):
-        valid = labels[i] != -100
-        lp = torch.log_softmax(logits[i][valid], -1)
-        nll.append(float(-lp.gather(1, labels[i][valid][:, None]).mean()))
-        acc.append(float((logits[i][valid].argmax(-1) == labels[i][valid]).double().mean()))
+
+    def scored(logits, labels, mask):
+        # each supervised next token, predicted at a position of the text (a left-padded line's first token is
+        # predicted at padding, which an unpadded line has none of)
+        lp = torch.log_softmax(logits[:-1], -1)
+        valid = (labels[1:] != -100) & (mask[:-1] == 1)
+        return (float(-lp[valid].gather(1, labels[1:][valid][:, None]).mean()),
+                float((logits[:-1][valid].argmax(-1) == labels[1:][valid]).double().mean()))
+
+    padded = [scored(x, y, m) for x, y, m in zip(logits, batch["labels"], batch["attention_mask"])]
+    unpadded = [scored(x, batch["labels"][i][k], batch["attention_mask"][i][k])
+                for i, (x, k) in enumerate(zip(alone, keep))]
     res["holdout_kind"] = hold.get("kind")
-    res["holdout_n"] = (len(hold["nll"]), len(nll))
-    res["holdout_nll_rel_max"] = max(rel(a, b) for a, b in zip(hold["nll"], nll))
-    res["holdout_accuracy_abs_max"] = max(abs(a - b) for a, b in zip(hold["token_accuracy"], acc))
-    res["holdout_mean_accuracy"] = sum(acc) / len(acc)
+    res["holdout_n"] = (len(hold["nll"]), len(padded))
+    res["holdout_nll_rel_max"] = max(rel(a, b[0]) for a, b in zip(hold["nll"], padded))
+    res["holdout_accuracy_abs_max"] = max(abs(a - b[1]) for a, b in zip(hold["token_accuracy"], padded))
+    res["holdout_mean_accuracy"] = sum(b[1] for b in padded) / len(padded)
+    res["holdout_unpadded_nll_rel_max"] = max(rel(a[0], b[0]) for a, b in zip(padded, unpadded))
+    # The padding probe: the most padded line (the first of them) in the batch and alone, at the tokens both score.
+    row = int((batch["attention_mask"] == 0).sum(1).argmax())
+    target = batch["labels"][row][keep[row]][1:]
+    res["padding_nll"] = hold.get("padding_nll")
+    res["padding_nll_reference"] = [float(torch.nn.functional.cross_entropy(x[:-1], target))
+                                    for x in (logits[row][keep[row]], alone[row])]
 
     # CUDA memory: the record's peak is the process's peak at that step, at most the peak after training.
     system = last.get("system", {})
