@@ -5218,8 +5218,8 @@ class _Holdout:
         single = single[0]
         if self.shift:  # the positions that exist in both: the padded row's first token is predicted from padding
             single, padded, target = single[:-1], padded[:-1], target[1:]
-        valid = (target != IGNORE_INDEX).float()
-        nll = [(torch.nn.functional.cross_entropy(x.float(), target.long().clamp(min=0), reduction="none") * valid).sum()
+        valid, target = (target != IGNORE_INDEX).float(), target.long().clamp(min=0)
+        nll = [(torch.nn.functional.cross_entropy(x.float(), target, reduction="none") * valid).sum()
                / valid.sum().clamp(min=1) for x in (padded, single)]
         return {"padding_nll": torch.stack(nll), "padding_positions": self.padding_row[3]}
 
