@@ -4967,8 +4967,13 @@ class _Holdout:
                 got = holdout_labels(batch, self.config.batch_label_key, self.labels)[0]
                 if self.regression or got.is_floating_point() or got.dim() != 2 or got.shape[1] < 2:
                     return {}
-                got = got.detach()[:, 1:] if self.shift else got.detach()  # as language_model_holdout scores them
-                targets.append(got[got != IGNORE_INDEX].cpu())
+                mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+                kept = got.detach() != IGNORE_INDEX
+                if self.shift:  # as language_model_holdout scores them: none predicted at padding
+                    kept = kept[:, 1:] & (mask.detach()[:, :-1].to(kept.device) != 0) if isinstance(
+                        mask, torch.Tensor) and mask.shape == got.shape else kept[:, 1:]
+                got = got.detach()[:, 1:] if self.shift else got.detach()
+                targets.append(got[kept].cpu())
                 positions += got.numel()
             _, counts = torch.cat(targets).unique(return_counts=True)
         except Exception:  # what telemetry only describes never stops set_holdout_data

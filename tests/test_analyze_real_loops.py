@@ -1788,7 +1788,7 @@ def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tm
         model = models[name] = lm if name == "masked" else MaskDropped(lm)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5, enabled=name != "without")
-        tel.set_holdout_data({"input_ids": ids[-64:], "attention_mask": mask[-64:], "labels": labels[-64:]})
+        tel.set_holdout_data({"input_ids": ids[-50:], "attention_mask": mask[-50:], "labels": labels[-50:]})
         gen = torch.Generator().manual_seed(1)
         for i in range(96):  # the last step is collected: the record's weights are the final ones
             pick = torch.randint(0, len(ids) - 500, (16,), generator=gen)
@@ -1810,7 +1810,7 @@ def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tm
     for name in ("masked", "dropped"):
         last = [json.loads(line) for line in (tmp_path / name / "telemetry.jsonl").open()][-1]
         assert last["step"] == 96
-        hold = {k: v[-64:] for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
+        hold = {k: v[-50:] for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
         row = int((hold["attention_mask"] == 0).sum(1).argmax())
         keep = hold["attention_mask"][row] == 1
         with torch.no_grad():  # the manual pass: the row's logits at its tokens, in the batch and alone
@@ -1825,6 +1825,9 @@ def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tm
     assert at.diagnose(run)[0].code == "padding_read", found
     run, found = codes(tmp_path / "masked")
     assert not loud(found)
+    # each line's tokens after its first, none predicted at padding, in the records and in run.json's entropy
+    scored = int(mask[-50:].sum()) - 50
+    assert sum(run.records[-1]["holdout_logits"]["tokens"]) == run.meta["holdout"]["scored_tokens"] == scored
 
 
 class PaddedByteLM(nn.Module):
