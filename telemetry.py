@@ -559,9 +559,9 @@ def merge_lm_holdout(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _valid_positions(logits: torch.Tensor, labels: Any, shift: bool) -> Optional[torch.Tensor]:
+def _valid_positions(logits: torch.Tensor, labels: Any, shift: bool, mask: Any = None) -> Optional[torch.Tensor]:
     # Per-token logits [N, T, V]: position t counts when the token it predicts is supervised (as in the
-    # holdout: token t+1 with shift, else token t).
+    # holdout: token t+1 with shift, and then only at a position of the text, not its padding; else token t).
     if logits.dim() != 3 or not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
         return None
     labels = labels.to(logits.device)
@@ -569,6 +569,8 @@ def _valid_positions(logits: torch.Tensor, labels: Any, shift: bool) -> Optional
         return labels != IGNORE_INDEX
     valid = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
     valid[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
+        valid &= mask.to(logits.device) != 0
     return valid
 
 
@@ -5315,7 +5317,8 @@ def sparse_quality(layout: _Layout, model: torch.nn.Module, holdout: _Holdout, b
                 logits, labels = holdout.forward_one(model, batch)
                 logits = logits.detach()
                 full.append(logits)
-                valid.append(_valid_positions(logits, labels, holdout.shift))
+                valid.append(_valid_positions(logits, labels, holdout.shift,
+                                              batch.get("attention_mask") if isinstance(batch, dict) else None))
             for k, t in enumerate(config.sparse_quality_thresholds):
                 dropped = changes["below"][changes["thresholds"].index(t)].to(counts.dtype)
                 entry: Dict[str, Any] = {"kept_ratio": 1 - dropped.sum() / counts.sum().clamp(min=1)}

@@ -1830,6 +1830,18 @@ def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tm
     assert sum(run.records[-1]["holdout_logits"]["tokens"]) == run.meta["holdout"]["scored_tokens"] == scored
 
 
+def test_sparse_quality_compares_the_positions_the_holdout_scores():
+    """sparse_quality's agreement counts, per row, the positions language_model_holdout scores: on left-padded
+    rows, none predicted at padding (the counts by hand: each row's tokens after its first)."""
+    import telemetry
+
+    ids, mask, labels = (t[:8] for t in left_padded_source_lines())
+    logits = torch.randn(8, ids.shape[1], 128, generator=torch.Generator().manual_seed(0))
+    valid = telemetry._valid_positions(logits, labels, True, mask)
+    scored = telemetry.language_model_holdout(logits, labels, attention_mask=mask)["tokens"]
+    assert valid.sum(1).tolist() == scored.tolist() == (mask.sum(1) - 1).tolist()
+
+
 class PaddedByteLM(nn.Module):
     """A one-layer transformer over byte ids that takes attention_mask, its positions counted from the text's first
     token. A query at left padding has no key it may attend to: this one lets such a row attend to every position,
