@@ -490,6 +490,16 @@ def _probability_bce(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return -(y * p.clamp_min(1e-7).log() + (1 - y) * (1 - p).clamp_min(1e-7).log()).mean()
 
 
+def text_positions(mask: Any, shape: Any) -> Optional[torch.Tensor]:
+    """Where a batch's `attention_mask` [N, T] marks text (True) rather than padding, or None where there is no
+    such mask of `shape`. A mask that holds anything but 0 and 1 (an additive one, 0 where attended) says
+    nothing of padding here, and marks every position text. No sync: the check stays on the device."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape) or mask.dim() != 2:
+        return None
+    mask = mask.detach()
+    return (mask != 0) | ~((mask == 0) | (mask == 1)).all()
+
+
 def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
                            token_ids: Optional[List[int]] = None, shift: bool = True,
                            ahead: bool = False, attention_mask: Optional[torch.Tensor] = None) -> Dict[str, Any]:
@@ -517,8 +527,9 @@ def language_model_holdout(logits: torch.Tensor, labels: torch.Tensor,
         logits, here, target = logits[:, :-1, :], target[:, :-1].long(), target[:, 1:]
     logits, target = logits.float(), target.long()
     valid = target != IGNORE_INDEX
-    if shift and isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == tuple(labels.shape):
-        valid = valid & (attention_mask.detach()[:, :-1].to(valid.device) != 0)
+    text = text_positions(attention_mask, labels.shape) if shift else None
+    if text is not None:
+        valid = valid & text[:, :-1].to(valid.device)
     nll = torch.nn.functional.cross_entropy(
         logits.transpose(1, 2), target.clamp(min=0), reduction="none") * valid
     predicted = logits.argmax(-1)
@@ -569,9 +580,8 @@ def _valid_positions(logits: torch.Tensor, labels: Any, shift: bool, mask: Any =
         return labels != IGNORE_INDEX
     valid = torch.zeros(labels.shape, dtype=torch.bool, device=logits.device)
     valid[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
-        valid &= mask.to(logits.device) != 0
-    return valid
+    text = text_positions(mask, labels.shape)
+    return valid if text is None else valid & text.to(logits.device)
 
 
 def label_balance(labels: torch.Tensor, key: str) -> Dict[str, Any]:
@@ -4969,11 +4979,10 @@ class _Holdout:
                 got = holdout_labels(batch, self.config.batch_label_key, self.labels)[0]
                 if self.regression or got.is_floating_point() or got.dim() != 2 or got.shape[1] < 2:
                     return {}
-                mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+                text = text_positions(batch.get("attention_mask") if isinstance(batch, dict) else None, got.shape)
                 kept = got.detach() != IGNORE_INDEX
                 if self.shift:  # as language_model_holdout scores them: none predicted at padding
-                    kept = kept[:, 1:] & (mask.detach()[:, :-1].to(kept.device) != 0) if isinstance(
-                        mask, torch.Tensor) and mask.shape == got.shape else kept[:, 1:]
+                    kept = kept[:, 1:] & text[:, :-1].to(kept.device) if text is not None else kept[:, 1:]
                 got = got.detach()[:, 1:] if self.shift else got.detach()
                 targets.append(got[kept].cpu())
                 positions += got.numel()
@@ -5136,12 +5145,12 @@ class _Holdout:
         if other.shape != before.shape:
             return None
         change, largest = (other - before).abs(), before.abs()
-        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        if isinstance(mask, torch.Tensor) and mask.shape == ids.shape and before.dim() >= 2:
+        text = text_positions(batch.get("attention_mask") if isinstance(batch, dict) else None, ids.shape)
+        if text is not None and before.dim() >= 2:
             # Padding positions predict nothing, and need not be causal: a query at left padding has no key it may
             # attend to, and kernels fill such a row as they will, from every position included. Only the
             # positions of the text count.
-            text = (mask[:, :-1] != 0).to(before.device)
+            text = text[:, :-1].to(before.device)
             if not bool(text.any()):
                 return None
             change, largest = change[text], largest[text]
@@ -5188,13 +5197,12 @@ class _Holdout:
         if self.padding_row is None:
             self.padding_row = False
             ids = batch.get(self.token_input) if isinstance(batch, dict) else None
-            mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-            if isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2 \
-                    and mask.shape == ids.shape:
-                pads = (mask == 0).sum(1).cpu()
+            text = text_positions(batch.get("attention_mask"), ids.shape) if isinstance(ids, torch.Tensor) else None
+            if text is not None:
+                pads = (~text).sum(1).cpu()
                 row = int(pads.argmax())
                 if int(pads[row]):
-                    self.padding_row = (row, (mask[row] != 0).nonzero().reshape(-1).cpu(), tuple(ids.shape),
+                    self.padding_row = (row, text[row].nonzero().reshape(-1).cpu(), tuple(ids.shape),
                                         int(pads[row]))
         if not self.padding_row or logits.dim() != 3 or tuple(logits.shape[:2]) != self.padding_row[2]:
             return None

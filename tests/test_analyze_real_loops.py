@@ -1832,7 +1832,8 @@ def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tm
 
 def test_sparse_quality_compares_the_positions_the_holdout_scores():
     """sparse_quality's agreement counts, per row, the positions language_model_holdout scores: on left-padded
-    rows, none predicted at padding (the counts by hand: each row's tokens after its first)."""
+    rows, none predicted at padding (the counts by hand: each row's tokens after its first). An additive mask (0
+    where attended, -1e9 at padding) is no padding mask to them: every supervised position counts."""
     import telemetry
 
     ids, mask, labels = (t[:8] for t in left_padded_source_lines())
@@ -1840,6 +1841,10 @@ def test_sparse_quality_compares_the_positions_the_holdout_scores():
     valid = telemetry._valid_positions(logits, labels, True, mask)
     scored = telemetry.language_model_holdout(logits, labels, attention_mask=mask)["tokens"]
     assert valid.sum(1).tolist() == scored.tolist() == (mask.sum(1) - 1).tolist()
+    additive = (1.0 - mask) * -1e9
+    every = (labels[:, 1:] != -100).sum(1).tolist()
+    assert telemetry.language_model_holdout(logits, labels, attention_mask=additive)["tokens"].tolist() == every
+    assert telemetry._valid_positions(logits, labels, True, additive).sum(1).tolist() == every
 
 
 class PaddedByteLM(nn.Module):
