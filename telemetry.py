@@ -613,12 +613,12 @@ def token_balance(batch: Dict[str, Any]) -> Dict[str, Any]:
     stats: Dict[str, Any] = {"batch_size": int(ids.shape[0]), "tokens": int(ids.numel())}
     if isinstance(batch.get("labels"), torch.Tensor):
         stats["label_share"] = (batch["labels"] != IGNORE_INDEX).float().mean()
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        stats["padding_share"] = (mask == 0).float().mean()
+    text = text_positions(batch.get("attention_mask"), ids.shape)
+    if text is not None:
+        stats["padding_share"] = (~text).float().mean()
         labels = batch.get("labels")
-        if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:  # padding the loss still supervises
-            stats["padding_supervised"] = ((mask == 0) & (labels != IGNORE_INDEX)).float().mean()
+        if isinstance(labels, torch.Tensor) and labels.shape == text.shape:  # padding the loss still supervises
+            stats["padding_supervised"] = (~text & (labels.to(text.device) != IGNORE_INDEX)).float().mean()
     return stats
 
 
@@ -2800,8 +2800,8 @@ def _throughput(batch: Any, steps_per_s: float) -> Dict[str, Any]:
         pass
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     if isinstance(ids, torch.Tensor):
-        mask = batch.get("attention_mask")
-        tokens = mask.sum() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else ids.numel()
+        text = text_positions(batch.get("attention_mask"), ids.shape)
+        tokens = text.sum() if text is not None else ids.numel()
         out["tokens_per_s"] = tokens * steps_per_s
     return out
 

@@ -426,6 +426,20 @@ def test_lm_holdout_matches_hf_loss_and_passes_no_labels(tmp_path):
     assert hold["tokens"] == [t - 2 for t in lengths] and hold["token_ids"] == token_ids
 
 
+def test_an_additive_attention_mask_is_read_as_no_padding():
+    """token_balance reads attention_mask as HF's 0/1 padding mask; an additive one (0 where attended, -1e9 at
+    padding) marks no padding: the batch's padding share and the padding it supervises read 0, where reading its
+    0s as padding would call the text padding (and padding_supervised would fire on every run)."""
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    stats = telemetry.token_balance({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    assert float(stats["padding_share"]) == 0.25 and float(stats["padding_supervised"]) == 0.0
+    additive = {"input_ids": ids, "attention_mask": (1.0 - mask) * -1e9, "labels": labels}
+    stats = telemetry.token_balance(additive)
+    assert float(stats["padding_share"]) == 0.0 and float(stats["padding_supervised"]) == 0.0
+
+
 def test_label_share_flags_an_all_masked_batch(tmp_path):
     model = lora_model()
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
