@@ -61,6 +61,8 @@ PROBLEMS: Dict[str, tuple] = {
     "lora_lr_zero": ({"lora_not_learning", "lr_zero"}, {"lr_zero", "lora_not_learning"}),
     "not_in_optimizer": ({"not_in_optimizer"}, {"not_in_optimizer"}),
     "labels_not_shifted": ({"labels_not_shifted"}, {"labels_not_shifted"}),
+    # a forward that drops attention_mask on left-padded lines: each is read after its padding
+    "padding_read": ({"padding_read"}, {"padding_read"}),
     # a text shuffled token by token: only the tokens' frequencies are left to learn
     "shuffled_tokens": ({"holdout_at_chance"}, {"holdout_at_chance"}),
     "eval_mode": ({"eval_mode"}, {"eval_mode"}),
@@ -86,7 +88,7 @@ PROBLEMS: Dict[str, tuple] = {
 class Spec:
     problem: str                 # "healthy" or a key of PROBLEMS
     arch: str                    # the run's name: architecture, data, what is special
-    workload: str                # classifier | char_lm | lora
+    workload: str                # classifier | char_lm | padded_lm | lora
     knobs: Dict[str, Any] = field(default_factory=dict, hash=False)
 
     @property
@@ -136,6 +138,7 @@ SPECS: List[Spec] = [
                                                                                 input_norm=True)),
     S("healthy", "gru-charlm-adamw-dict",               "char_lm",    lr=5e-3, batch=16, steps=150),
     S("healthy", "lora-llama-trainer",                  "lora",       lr=5e-3, batch=16, steps=120),
+    S("healthy", "llama-lines-left-padded",             "padded_lm",  lr=3e-3, batch=16, steps=120),
     S("healthy", "mlp-digits-index-batches-adam",       "classifier", **digits(opt="adam", lr=1e-3, format="indexed")),
     S("healthy", "mlp-wine-ordinal-mse-adam",           "classifier", data="wine", arch="mlp", hidden=[32], batch=16,
                                                                       steps=400, opt="adam", lr=1e-3, ordinal=True),
@@ -193,6 +196,7 @@ SPECS: List[Spec] = [
     S("repeated_batch", "gru-charlm-adamw-dict",        "char_lm",    lr=5e-3, batch=16, steps=100),
     S("labels_not_shifted", "gru-charlm-adamw-dict",    "char_lm",    lr=5e-3, batch=16, steps=150),
     S("shuffled_tokens", "gru-charlm-adamw-dict",       "char_lm",    lr=5e-3, batch=16, steps=150),
+    S("padding_read", "llama-lines-left-padded-mask-dropped", "padded_lm", lr=3e-3, batch=16, steps=120),
     S("unshuffled", "mlp-digits-sorted-by-class",       "classifier", **digits(opt="sgd", lr=0.05)),
     S("probability_outputs", "mlp-digits-softmax-ce",   "classifier", **digits(opt="adamw", lr=1e-3,
                                                                                 final="softmax")),
@@ -284,7 +288,8 @@ def _train(spec: Spec, run_dir: str, seed: int) -> Dict[str, Any]:
         from workloads import train_classifier
         return train_classifier(knobs, run_dir, seed)
     import lm
-    return (lm.train_char_lm if spec.workload == "char_lm" else lm.train_lora)(knobs, run_dir, seed)
+    return {"char_lm": lm.train_char_lm, "padded_lm": lm.train_padded_lm, "lora": lm.train_lora}[spec.workload](
+        knobs, run_dir, seed)
 
 
 def analyze(run_dir: str, analyzer: str) -> Dict[str, Any]:
@@ -394,7 +399,7 @@ def select(patterns: Optional[List[str]], seeds: List[int]) -> List[tuple]:
     return [(spec, seed) for spec in SPECS for seed in seeds if matches(f"{spec.name}/s{seed}", patterns)]
 
 
-COST = {"lora": 4, "char_lm": 4, "classifier": 1}  # longest first, so the pool finishes together
+COST = {"lora": 4, "char_lm": 4, "padded_lm": 4, "classifier": 1}  # longest first, so the pool finishes together
 
 
 def main(argv=None) -> int:

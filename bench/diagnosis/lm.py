@@ -154,6 +154,108 @@ def train_char_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, An
     return {"collect_every_n": every, "steps": steps, "verdict": verdict}
 
 
+# ---- A tiny Llama on lines of standard-library source, padded on the left ----------------------------------
+LINE = 48  # characters a line keeps; shorter lines are padded before their text with 0
+
+
+@lru_cache(maxsize=None)
+def _padded_lines(names: tuple, seed: int) -> tuple:
+    """The files' lines of over 12 characters, shuffled: (ids [lines, LINE] padded on the left with 0,
+    attention mask, labels: the ids, -100 on padding)."""
+    stdlib = os.path.dirname(os.__file__)
+    lines = [line.strip() for n in names for line in open(os.path.join(stdlib, n), encoding="utf-8")
+             if len(line.strip()) > 12]
+    lines = [lines[i] for i in np.random.RandomState(seed).permutation(len(lines))]
+    ids = torch.zeros(len(lines), LINE, dtype=torch.long)
+    for i, line in enumerate(lines):
+        text = [min(ord(c), VOCAB - 1) or 1 for c in line[:LINE]]  # 0 is padding: no character maps there
+        ids[i, LINE - len(text):] = torch.tensor(text)
+    mask = (ids > 0).long()
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+class MaskDropped(nn.Module):
+    """A wrapper whose forward takes attention_mask and never passes it on: every line is read after its
+    padding."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.lm(input_ids=input_ids, labels=labels)
+
+
+def lines_alone(lm: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> list:
+    """Each line's mean next-character NLL with the line alone, unpadded (a manual eval pass)."""
+    lm.eval()
+    with torch.no_grad():
+        out = []
+        for row, keep in zip(ids, mask.bool()):
+            x = row[keep][None]
+            out.append(float(F.cross_entropy(lm(input_ids=x).logits[0, :-1], x[0, 1:])))
+    lm.train()
+    return out
+
+
+def lines_padded(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> list:
+    """Each line's mean NLL over the same positions, the lines in one padded batch as the loop gives them."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    model.train()
+    out = []
+    for row, keep, x in zip(logits, mask.bool(), ids):
+        out.append(float(F.cross_entropy(row[keep][:-1], x[keep][1:])))
+    return out
+
+
+def train_padded_lm(spec: Dict[str, Any], out_dir: str, seed: int) -> Dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    ids, mask, labels = _padded_lines(TRAIN_FILES, seed)
+    hold = [t[:50] for t in _padded_lines((HOLDOUT_FILE,), seed)]
+    test = [t[:200] for t in _padded_lines(TEST_FILES, 0)]
+    lm = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB))
+    plant = spec.get("plant")
+    model = MaskDropped(lm) if plant == "padding_read" else lm
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    steps, bs = spec["steps"], spec["batch"]
+    every = collect_every(steps)
+    telemetry = TrainingTelemetry(TelemetryConfig(output_dir=out_dir, collect_every_n=every, holdout_size=50))
+    telemetry.set_holdout_data({"input_ids": hold[0], "attention_mask": hold[1], "labels": hold[2]})
+    rng = np.random.RandomState(seed)
+    for step in range(1, steps + 1):
+        pick = torch.from_numpy(rng.randint(0, len(ids), size=bs))
+        batch = {"input_ids": ids[pick], "attention_mask": mask[pick], "labels": labels[pick]}
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        telemetry.on_batch_end(model, optimizer, step, 0, batch=batch, loss=loss)
+        optimizer.zero_grad()
+    telemetry.close()
+    alone = lines_alone(lm, test[0], test[1])
+    padded = lines_padded(model, test[0], test[1])
+    short = (test[1] == 0).sum(1).numpy() >= LINE // 2  # lines at least half padding, as the probe's row is
+    gaps = np.array([abs(p - a) / a for p, a in zip(padded, alone)])
+    gap = float(np.median(gaps[short]))
+    final = float(np.average(alone, weights=test[1].sum(1).numpy() - 1))
+    if plant == "padding_read":
+        verdict = Verdict(gap > 0.01, f"padded/alone {gap:.1%}",
+                          f"the median NLL of the {int(short.sum())} test lines at least half padding, in a "
+                          f"left-padded batch and alone, differ by {gap:.2%} (needs > 1%: the padding is read); "
+                          f"test NLL alone {final:.3f}")
+    else:
+        counted = unigram_nll(ids[mask.bool()], test[0][test[1].bool()])
+        verdict = Verdict(gap < 1e-4 and final < counted, f"test NLL {final:.3f}",
+                          f"test NLL {final:.3f} nats/char over 200 lines of {', '.join(TEST_FILES)}, each alone, "
+                          f"vs {counted:.3f} for the characters' frequencies (needs less); padded/alone "
+                          f"{gap:.1e} (needs < 1e-4)", {"test_nll": final, "unigram_nll": counted})
+    return {"collect_every_n": every, "steps": steps, "verdict": verdict}
+
+
 # ---- LoRA through transformers.Trainer ----------------------------------------------------------------
 
 def answer_nll(model, dataset) -> tuple:
