@@ -2292,12 +2292,11 @@ def check_padding_read(run: Run) -> list:
     if not changes or not float(np.median(changes)) > PADDING_CHANGE:
         return []
     step, (padded, alone), positions = seen[-1]
-    shares = [_num(r.get("batch_stats", {}).get("padding_share")) for r in run.records
-              if isinstance(r.get("batch_stats"), dict)]
-    shares = [v for v in shares if math.isfinite(v)]
-    trained = (f" The training batches are {_fmt(100 * float(np.mean(shares)))}% padding: if they go through the same "
+    shares = column(run, "batch_stats.padding_share")
+    shares = shares[np.isfinite(shares)]
+    trained = (f" The training batches are {_fmt(100 * float(shares.mean()))}% padding: if they go through the same "
                "forward, training reads it too, and the model learns text that is not there."
-               if shares and np.mean(shares) > 0 else "")
+               if len(shares) and shares.mean() > 0 else "")
     many = f"{positions} positions of padding" if _has_type(positions, int) else "padding"
     return [Finding(
         "padding_read", "warning",

@@ -5189,11 +5189,11 @@ class _Holdout:
         repeat, reorder = torch.stack([repeat, reorder]).tolist()
         return {"repeat": repeat, "reorder": reorder}
 
-    def padded_row(self, batch: Any, logits: torch.Tensor) -> Optional[tuple]:
+    def padded_row(self, batch: Any, logits: torch.Tensor, labels: Any) -> Optional[tuple]:
         """For padding_probe: (the row of a language model's batch with the most padding, alone and unpadded, as a
-        batch of one; that row's logits at its tokens, [tokens, vocab]; their labels), or None where the batch is
-        not a dict of token ids whose attention_mask pads some row. The row and its positions are found once (one
-        sync): the holdout's batches never change."""
+        batch of one; that row's logits at its tokens, [tokens, vocab]; its `labels` there), or None where the
+        batch is not a dict of token ids whose attention_mask pads some row. The row and its positions are found
+        once (one sync): the holdout's batches never change."""
         if self.padding_row is None:
             self.padding_row = False
             ids = batch.get(self.token_input) if isinstance(batch, dict) else None
@@ -5208,7 +5208,6 @@ class _Holdout:
             return None
         row, keep, (n, length), _ = self.padding_row
         keep = keep.to(logits.device)
-        labels = holdout_labels(batch, self.config.batch_label_key, self.labels)[0]
         if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (n, length):
             return None
         alone = {k: v[row].index_select(0, keep.to(v.device))[None] if isinstance(v, torch.Tensor)
@@ -5230,13 +5229,10 @@ class _Holdout:
             return None
         if single.dim() != 3 or tuple(single.shape[1:]) != tuple(padded.shape):
             return None
-        single = single[0]
-        if self.shift:  # the positions that exist in both: the padded row's first token is predicted from padding
-            single, padded, target = single[:-1], padded[:-1], target[1:]
-        valid, target = (target != IGNORE_INDEX).float(), target.long().clamp(min=0)
-        nll = [(torch.nn.functional.cross_entropy(x.float(), target, reduction="none") * valid).sum()
-               / valid.sum().clamp(min=1) for x in (padded, single)]
-        return {"padding_nll": torch.stack(nll), "padding_positions": self.padding_row[3]}
+        # Scored as the holdout scores a row, over the text's positions only: with the shift, the padded row's
+        # first token (predicted from padding) is left out as the lone row has no position before it.
+        nll = [language_model_holdout(x[None], target[None], shift=self.shift)["nll"] for x in (padded, single[0])]
+        return {"padding_nll": torch.cat(nll), "padding_positions": self.padding_row[3]}
 
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
         """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models,
@@ -5255,7 +5251,7 @@ class _Holdout:
                 if self.token_input is not None and self.sees_future is None and not ranks.lockstep and not probe:
                     probe.append((batch, logits))  # probed below, once the activations are no longer watched
                 if self.token_input is not None and not ranks.lockstep and not padding:
-                    padding.append(self.padded_row(batch, logits))
+                    padding.append(self.padded_row(batch, logits, labels))
                 mask = batch.get("attention_mask") if isinstance(batch, dict) else None
                 return language_model_holdout(logits, labels, self.config.holdout_token_ids, self.shift,
                                               ahead=self.token_input is not None, attention_mask=mask)
