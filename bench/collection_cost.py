@@ -17,6 +17,7 @@ for the one in git revision REV, alternating child processes.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -116,6 +117,61 @@ def op_floor(weights, grads, threads: int, repeats: int) -> float:
 
     collection()
     return statistics.median(_timed(collection) for _ in range(repeats))
+
+
+def fused_parts(out, model, repeats):
+    """Where a fused collection's time goes, each part timed alone on this run's own files, alternating, on
+    the threads a collection gives it: {part: median seconds}, and the bandwidth they are up against.
+
+    gradient norms: the collection's _foreach_norm over the gradients (on its one intra-op thread); pass: the
+    fused weight pass over the reference and W_0, mapped afresh and handed back 2 MiB at a time as a collection
+    does; pass, pages kept: the same, never handed back (the RSS a collection must not take); pass in memory:
+    the same kernels over copies of the files in anonymous memory; write: the reference rewritten alone, in
+    place through the page cache (write_tensor_file over the spare); read floor: the pass's three reads at the
+    read bandwidth measured here (sum over a large tensor)."""
+    names = [n for n, _ in model.named_parameters()]
+    named = list(model.named_parameters())
+    reference, initial = os.path.join(out, telemetry.REFERENCE_FILE), os.path.join(out, telemetry.INITIAL_FILE)
+    cpu = torch.device("cpu")
+
+    def sums(release):
+        refs, rel_r = telemetry.map_tensor_file(reference, names)
+        inits, rel_i = telemetry.map_tensor_file(initial, names)
+        keep = telemetry._keep_pages
+        return telemetry._ChangePass([p.detach().reshape(-1) for _, p in named], [r.view(-1) for r in refs],
+                                     rel_r if release else keep, [r.view(-1) for r in inits],
+                                     rel_i if release else keep, False, [], [], torch.float64)
+
+    copies = sums(False)
+    copies.refs, copies.inits = [r.clone() for r in copies.refs], [r.clone() for r in copies.inits]
+    scratch = os.path.join(out, "parts.safetensors")
+    telemetry.write_tensor_file(scratch, named)
+    telemetry.write_tensor_file(scratch, named)  # from here on its spare is rewritten in place
+
+    def grads():
+        with telemetry._one_cpu_thread():
+            torch._foreach_norm([p.grad for p in model.parameters()], 2)
+
+    def passing(make):
+        def run():
+            with telemetry._one_cpu_thread():
+                telemetry._chunked_pass(make(), cpu, True)
+        return run
+
+    parts = {"gradient norms": grads, "pass": passing(lambda: sums(True)),
+             "pass, pages kept": passing(lambda: sums(False)),
+             "pass in memory": passing(lambda: dataclasses.replace(copies, kernels=[])),
+             "write": lambda: telemetry.write_tensor_file(scratch, named)}
+    times = {name: [] for name in parts}
+    for k in range(repeats + 1):
+        for name in (list(parts) if k % 2 == 0 else list(parts)[::-1]):
+            times[name].append(_timed(parts[name]))
+    big = torch.ones(64 << 20)
+    read = (64 << 22) / min(_timed(big.sum) for _ in range(repeats))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    medians = {name: statistics.median(values[1:]) for name, values in times.items()}
+    medians["read floor"] = 3 * model_bytes / read
+    return medians, read
 
 
 def _timed(fn) -> float:
@@ -263,7 +319,12 @@ def main(argv=None) -> int:
         ops = op_floor(list(model.parameters()), [p.grad for p in model.parameters()], threads, args.repeats)
         torch.set_num_threads(os.cpu_count() or 1)
         per_call_us = skipped_call_us(out, model, optimizer)
+        parts, read = fused_parts(out, model, args.repeats)
     report(args, model_bytes, bandwidth, passes, floor, compile_s, times, rises, ops, threads, per_call_us)
+    print(f"where a fused collection's time goes (each part alone, median of {args.repeats}, alternating; read "
+          f"bandwidth measured here {read / 2**30:.2f} GiB/s):")
+    for name, seconds in parts.items():
+        print(f"  {name:<17} {seconds * 1e3:6.1f} ms")
     if not args.no_compile_cost:
         fused, plain = compile_cost(args)
         print(f"the fused kernels' compile in a fresh process with an empty inductor cache (a machine's first "
