@@ -123,14 +123,14 @@ def fused_parts(out, model, repeats):
     """Where a fused collection's time goes, each part timed alone on this run's own files, alternating, on
     the threads a collection gives it: {part: median seconds}, and the bandwidth they are up against.
 
-    gradient norms: the collection's _foreach_norm over the gradients (on its one intra-op thread); pass: the
+    gradient norms: the collection's per_tensor_sq_norms over the gradients (on its one intra-op thread); pass: the
     fused weight pass over the reference and W_0, mapped afresh and handed back 2 MiB at a time as a collection
     does; pass, pages kept: the same, never handed back (the RSS a collection must not take); pass in memory:
     the same kernels over copies of the files in anonymous memory; write: the reference rewritten alone, in
     place through the page cache (write_tensor_file over the spare); read floor: the pass's three reads at the
     read bandwidth measured here (sum over a large tensor)."""
-    names = [n for n, _ in model.named_parameters()]
     named = list(model.named_parameters())
+    names = [n for n, _ in named]
     reference, initial = os.path.join(out, telemetry.REFERENCE_FILE), os.path.join(out, telemetry.INITIAL_FILE)
     cpu = torch.device("cpu")
 
@@ -150,7 +150,7 @@ def fused_parts(out, model, repeats):
 
     def grads():
         with telemetry._one_cpu_thread():
-            torch._foreach_norm([p.grad for p in model.parameters()], 2)
+            telemetry.per_tensor_sq_norms([p.grad for _, p in named])
 
     def passing(make):
         def run():
@@ -167,7 +167,7 @@ def fused_parts(out, model, repeats):
         for name in (list(parts) if k % 2 == 0 else list(parts)[::-1]):
             times[name].append(_timed(parts[name]))
     big = torch.ones(64 << 20)
-    read = (64 << 22) / min(_timed(big.sum) for _ in range(repeats))
+    read = big.numel() * big.element_size() / min(_timed(big.sum) for _ in range(repeats))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     medians = {name: statistics.median(values[1:]) for name, values in times.items()}
     medians["read floor"] = 3 * model_bytes / read
