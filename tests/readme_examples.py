@@ -72,12 +72,13 @@ VARIES = {"timestamp": "...", "telemetry_ms": "...", "system": "..."}   # wall-c
 
 
 def _short(value):
-    """Lists cut to their first two items, then "..."."""
+    """Lists cut to their first two items, then "...". Floats to 4 significant digits: the record's values are
+    float32 sums, whose last bits differ between processors (their vector kernels add in another order)."""
     if isinstance(value, list):
         return [_short(v) for v in value[:2]] + (["..."] if len(value) > 2 else [])
     if isinstance(value, dict):
         return {k: _short(v) for k, v in value.items()}
-    return round(value, 4) if isinstance(value, float) else value
+    return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
 def record_example(scratch) -> str:
