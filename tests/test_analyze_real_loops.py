@@ -893,6 +893,43 @@ def test_one_holdout_example_turning_wrong_is_not_overfitting(tmp_path):
     assert "overfitting" not in found, found["overfitting"].message
 
 
+def test_batches_that_stop_holding_half_the_classes_are_forgetting(tmp_path):
+    """Digits: an MLP learns all ten classes, then trains on batches of classes 0-4 alone. On the 597 fresh
+    examples its accuracy on classes 5-9 falls from 0.92 to 0.14: learned examples lost for good, far beyond
+    the holdout accuracy's swings between collections, so a warning."""
+    from sklearn.datasets import load_digits
+    from telemetry import TelemetryConfig, TrainingTelemetry
+
+    _, y, x = standardized(load_digits)
+    x, fresh, late = x / 16, slice(1200, None), y[1200:] >= 5   # pixel intensities 0..16
+
+    def late_accuracy():
+        with torch.no_grad():
+            return (model(x[fresh]).argmax(1) == y[fresh])[late].float().mean().item()
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tel = TrainingTelemetry(TelemetryConfig(output_dir=str(tmp_path / "r"), collect_every_n=15, holdout_size=200))
+    tel.set_holdout_data((x[1000:1200], y[1000:1200]))
+    xs, ys = x[:1000], y[:1000]
+    for i in range(600):
+        if i == 300:
+            before = late_accuracy()
+            xs, ys = xs[ys < 5], ys[ys < 5]
+        idx = torch.randint(0, len(ys), (32,), generator=gen)
+        loss = F.cross_entropy(model(xs[idx]), ys[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, 0, batch=(xs[idx], ys[idx]), loss=loss.item())
+    tel.close()
+    assert before > 0.9 and late_accuracy() < 0.3, (before, late_accuracy())
+    _, found = codes(tmp_path / "r")
+    assert found["forgetting"].severity == "warning", found["forgetting"].message
+
+
 def test_a_small_holdout_split_at_random_is_not_another_distribution(tmp_path):
     """Iris (50 of each class) split at random 80 / 30 / 40: the holdout happens to get 4 of class 1 (13%),
     the train set 32 of 80 (40%). Under 3 sigmas apart for two samples of 30 and 80 of one distribution:
