@@ -3055,10 +3055,14 @@ def _loss_spikes(x: np.ndarray, positive: bool, untrained: float | None = None):
     sigma = np.maximum(noise, 0.01 if positive else 1e-3 * np.abs(med))
     recent = np.exp(med) if positive else med
     scale = max(abs(float(np.median(x[:10]))), untrained or 0.0)
+    # Batches of one or a few have losses with a heavy tail (their noise on the log scale is wide): a loss 10x
+    # the worst of the previous 50 is a spike whatever that noise says.
+    worst = np.array([np.max(x[max(0, i - 50):i]) if i >= 10 else np.nan for i in range(len(x))])
     with np.errstate(invalid="ignore"):
-        # far outside the recent noise, at least double the recent level, and visible on the run's scale
-        spike = ((y - med) > (6 if positive else 8) * sigma) & (x > 2 * np.abs(recent)) \
-            & (x - recent > 0.05 * scale)
+        # far outside the recent noise (or past anything recent), at least double the recent level, and
+        # visible on the run's scale
+        far = ((y - med) > (6 if positive else 8) * sigma) | (positive & (x > 10 * worst))
+        spike = far & (x > 2 * np.abs(recent)) & (x - recent > 0.05 * scale)
     return np.where(spike)[0], recent
 
 
@@ -3078,12 +3082,17 @@ def _spikes(run: Run) -> Spikes:
     loss = column(run, "loss")
     rows = np.flatnonzero(np.isfinite(loss))
     x, st, seg = loss[rows], steps(run)[rows], segment_ids(run)[rows]
-    positive = bool(np.all(x > 0))
+    # A loss that is never negative is judged on the log scale even where some batches scored exactly 0 (a
+    # float32 cross-entropy of an example the model is sure of, in batches of one): those count as the least
+    # loss seen. On the linear scale the usual heavy tail of small batches' losses (one wrong example among
+    # right ones) passes for spikes.
+    positive = bool(np.all(x >= 0) and np.any(x > 0))
+    judged = np.maximum(x, np.min(x[x > 0])) if positive else x
     idx, recent = [], np.full(len(x), np.nan)
     untrained, _ = _chance_losses(run)
     for part in _pieces(seg):   # the window starts again after each restart
         if len(part) >= 12:
-            found, recent[part] = _loss_spikes(x[part], positive, untrained)
+            found, recent[part] = _loss_spikes(judged[part], positive, untrained)
             idx += list(part[found])
     idx = np.array(idx, dtype=int)
     events = [idx[0]] + [b for a, b in zip(idx[:-1], idx[1:]) if b > a + 1] if len(idx) else []
@@ -3137,9 +3146,9 @@ def check_loss_spikes(run: Run) -> list:
         return []
     x, st, idx, recent = sp.loss, sp.steps, sp.index, sp.recent
     worst = idx[np.argmax(x[idx] / np.maximum(np.abs(recent[idx]), 1e-12))]
-    band = '6 robust sigmas of log-loss' if sp.positive else '8 robust sigmas'
-    msg = (f"{len(sp.events)} loss spike(s) (more than {band} "
-           f"above the median of the previous 50 batches, and over twice that median); worst at step "
+    band = ('6 robust sigmas of log-loss above the median of the previous 50 batches or 10x the worst of them'
+            if sp.positive else '8 robust sigmas above the median of the previous 50 batches')
+    msg = (f"{len(sp.events)} loss spike(s) (more than {band}, and over twice that median); worst at step "
            f"{int(st[worst])}: {_fmt(x[worst])} vs recent median {_fmt(recent[worst])}")
     bad = _bad_batches(run, sp)
     if bad:

@@ -947,6 +947,32 @@ def test_a_small_holdout_split_at_random_is_not_another_distribution(tmp_path):
     assert "class_imbalance" not in found, found["class_imbalance"].message
 
 
+def test_batches_of_one_whose_loss_reaches_0_have_no_spikes_but_a_bad_batch_is_one(tmp_path):
+    """Digits, batches of one under Adam: each batch's loss is one example's, about 0.01 when it is right and
+    1-2 when it is wrong, and one example the model is sure of scores exactly 0 in float32. The run is healthy
+    (over 0.9 on 597 fresh examples, as the other seeds of this loop), its wrong examples are the usual tail
+    of such losses, not spikes. The same records with one batch at 100x the worst loss so far (inputs of
+    another scale, a corrupt label set) still have one."""
+    from sklearn.datasets import load_digits
+
+    x, y, _ = standardized(load_digits, fit=1000)
+    model = sklearn_run(tmp_path / "r", x[:1000], y[:1000], (x[1000:1100], y[1000:1100]), hidden=(128, 128),
+                        lr=2e-3, steps=800, batch=1, every=20, seed=10)
+    with torch.no_grad():
+        assert (model(x[1200:]).argmax(1) == y[1200:]).float().mean().item() > 0.9
+    run, found = codes(tmp_path / "r")
+    losses = at.column(run, "loss")
+    assert (losses == 0).sum() >= 1 and (losses > 1).sum() >= 3   # a sure example, and several wrong ones
+    assert "loss_spike" not in found, found["loss_spike"].message
+
+    lines = (tmp_path / "r" / "telemetry.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    recs[30]["loss"] = 100 * float(np.max(losses[:30]))
+    write_lines(tmp_path / "bad", recs, json.loads((tmp_path / "r" / "run.json").read_text()))
+    _, found = codes(tmp_path / "bad")
+    assert found["loss_spike"].steps[:1] == [recs[30]["step"]], found.get("loss_spike")
+
+
 def test_a_train_loss_summed_over_the_batch_is_not_a_divergence(tmp_path):
     """cross_entropy(reduction="sum"): the recorded train loss is the batch's sum, 32x a per-example mean, and
     starts at ~32 log K. Against the per-example chance level log K that read as a loss that blew up and never
