@@ -76,6 +76,7 @@ MIN_ALERT_HISTORY = 8  # records in a window before spikes are judged against it
 # a spike of the run's ordinary values.
 SPIKE_MIN_RATIO = 2.0
 SPIKE_VISIBLE = 0.05  # ... and a loss spike rises by this share of the run's first losses (their highest)
+SPIKE_PAST_WORST = 10.0  # a loss this many times the worst in the alert window is a spike whatever its z
 _LOGGER = logging.getLogger("telemetry")
 IGNORE_INDEX = -100  # label value that HF losses skip (padding, prompt tokens)
 # Dict keys tried, in order, when the config names no label key ("winner": pairwise-preference labels).
@@ -1314,16 +1315,19 @@ def logit_agreement(reference: torch.Tensor, other: torch.Tensor,
 def robust_z(history: Any, value: float) -> float:
     """Robust z-score of `value` against `history`: (value - median) / (1.4826 * MAD).
 
-    Taken on a log scale when every value is > 0 (loss and gradient norms vary multiplicatively, so the
-    noise late in training, when they are small, is not mistaken for spikes). The scale has a floor (5% on
+    Taken on a log scale when no value is negative and one is > 0 (loss and gradient norms vary
+    multiplicatively, so the noise late in training, when they are small, is not mistaken for spikes); a 0 (a
+    float32 cross-entropy of a batch of one the model is sure of) counts as the least value above 0 there,
+    since on the linear scale one wrong example among right ones would pass for a spike. The scale has a floor (5% on
     the log scale, 1e-3 * |median| otherwise) so that a tight stretch of history, MAD near 0, does not make
     a spike of a rise of a few percent: at the default threshold of 8, a z-score alone asks for at least
     1.49x the median (the alerts ask for SPIKE_MIN_RATIO besides).
     Plain floats: it runs on the host record, after the one transfer.
     """
     values = list(history)
-    if value > 0 and all(v > 0 for v in values):
-        values, value = [math.log(v) for v in values], math.log(value)
+    least = min((v for v in values if v > 0), default=0.0)
+    if least > 0 and value >= 0 and all(v >= 0 for v in values):
+        values, value = [math.log(v or least) for v in values], math.log(value or least)
         floor = 0.05
     else:
         floor = 0.0
@@ -2856,13 +2860,17 @@ class _AlertMonitor:
             return
         history = self.history["loss"]
         if len(history) >= MIN_ALERT_HISTORY:
-            z, median = robust_z(history, loss), statistics.median(history)
+            z, median, worst = robust_z(history, loss), statistics.median(history), max(history)
             # Near 0 (late in a run of small batches) one hard example is many times the median and many robust
             # SDs above it: a spike also rises by SPIKE_VISIBLE of the run's scale, its first losses' highest.
-            if z > self.config.alert_spike_threshold and loss > SPIKE_MIN_RATIO * abs(median) \
+            # Batches of one or a few have a heavy tail, wide on the log scale: SPIKE_PAST_WORST times the
+            # window's worst loss is a spike however many SDs that is.
+            past = worst > 0 and loss > SPIKE_PAST_WORST * worst
+            if (z > self.config.alert_spike_threshold or past) and loss > SPIKE_MIN_RATIO * abs(median) \
                     and loss - median > SPIKE_VISIBLE * max(map(abs, self.first_losses)):
-                yield ("loss_spike", "warning", f"loss {loss:.4g} is {z:.1f} robust SDs above its rolling "
-                                                f"median {median:.4g}", None)
+                how = f"{loss / worst:.1f}x the worst of the window" if past and z <= self.config.alert_spike_threshold \
+                    else f"{z:.1f} robust SDs above its rolling median"
+                yield ("loss_spike", "warning", f"loss {loss:.4g} is {how}, whose median is {median:.4g}", None)
         history.append(loss)
         if len(self.first_losses) < 10:
             self.first_losses.append(loss)

@@ -951,8 +951,8 @@ def test_batches_of_one_whose_loss_reaches_0_have_no_spikes_but_a_bad_batch_is_o
     """Digits, batches of one under Adam: each batch's loss is one example's, about 0.01 when it is right and
     1-2 when it is wrong, and one example the model is sure of scores exactly 0 in float32. The run is healthy
     (over 0.9 on 597 fresh examples, as the other seeds of this loop), its wrong examples are the usual tail
-    of such losses, not spikes. The same records with one batch at 100x the worst loss so far (inputs of
-    another scale, a corrupt label set) still have one."""
+    of such losses, not spikes, for the analyzer and for telemetry's own alerts. The same records with one
+    batch at 100x the worst loss so far (inputs of another scale, a corrupt label set) still have one."""
     from sklearn.datasets import load_digits
 
     x, y, _ = standardized(load_digits, fit=1000)
@@ -964,9 +964,9 @@ def test_batches_of_one_whose_loss_reaches_0_have_no_spikes_but_a_bad_batch_is_o
     losses = at.column(run, "loss")
     assert (losses == 0).sum() >= 1 and (losses > 1).sum() >= 3   # a sure example, and several wrong ones
     assert "loss_spike" not in found, found["loss_spike"].message
-
     lines = (tmp_path / "r" / "telemetry.jsonl").read_text().splitlines()
     recs = [json.loads(line) for line in lines]
+    assert not [a for r in recs for a in r.get("alerts", [])]   # nor did telemetry's own alerts fire
     recs[30]["loss"] = 100 * float(np.max(losses[:30]))
     write_lines(tmp_path / "bad", recs, json.loads((tmp_path / "r" / "run.json").read_text()))
     _, found = codes(tmp_path / "bad")

@@ -547,6 +547,24 @@ def test_loss_spike_alerts_once_when_it_starts_and_logs(tmp_path, caplog):
     assert len(logged) == 2 and all(r.levelno == logging.WARNING for r in logged)
 
 
+def test_batches_of_one_alert_on_a_loss_past_their_tail_not_on_a_wrong_example(tmp_path):
+    """Losses as batches of one give them: about 0.01 for an example the model has right (exactly 0 for one
+    it is sure of), 0.5-2 for one it has wrong. A wrong example's loss is no spike (on the linear scale, which
+    the 0 used to force, it was dozens of robust SDs); a loss 10x the worst of the window is one."""
+    _, _, _, collect = planted_run(tmp_path)
+    rng = np.random.default_rng(0)
+    losses = [float(rng.uniform(0.5, 2.0)) if rng.random() < 0.1 else float(rng.lognormal(math.log(0.01), 1.5))
+              for _ in range(60)]
+    losses[7] = 0.0
+    first = [2.3] * 10   # the run's scale: an untrained model's loss on 10 classes
+    quiet = [collect(s, loss=v) for s, v in enumerate(first + losses)]
+    assert sum(v > 0.5 for v in losses) >= 4 and all("alerts" not in r for r in quiet), \
+        [r["alerts"] for r in quiet if "alerts" in r]
+    worst = max(losses[-50:])
+    spike = collect(70, loss=20 * worst)
+    assert codes(spike) == [("loss_spike", None)] and "x the worst of the window" in spike["alerts"][0]["message"]
+
+
 def test_gradient_spike_and_explosion(tmp_path):
     _, _, _, collect = planted_run(tmp_path)
     quiet = [collect(s) for s in range(20)]
@@ -806,3 +824,10 @@ def test_layer_key_threshold_key_and_robust_z():
     mad = np.median(np.abs(logs - np.median(logs)))
     assert telemetry.robust_z(history, 2.0) == pytest.approx((np.log(2.0) - np.median(logs)) / (1.4826 * mad))
     assert telemetry.robust_z(history, 1.0) < 1
+    # batches of one: right examples score about 0.01 (one exactly 0 in float32), a wrong one 1.5, which is the
+    # usual tail on the log scale where the linear scale would call it a spike of dozens of SDs
+    ones = [0.012, 0.0, 0.03, 0.004, 0.9, 0.02, 0.0008, 0.05, 0.01, 1.2, 0.002, 0.015, 0.3, 0.006, 0.04]
+    logs = np.log(np.maximum(ones, 0.0008))
+    mad = np.median(np.abs(logs - np.median(logs)))
+    assert telemetry.robust_z(ones, 1.5) == pytest.approx((np.log(1.5) - np.median(logs)) / (1.4826 * mad))
+    assert telemetry.robust_z(ones, 1.5) < 8 and telemetry.robust_z([0.0] * 5, 1.0) > 8   # the latter linear
