@@ -4119,6 +4119,13 @@ def check_unscaled_inputs(run: Run) -> list:
     if untrained and first > UNSCALED_START * untrained:   # logits as large as the inputs, from the first step
         effects.append(f"a train loss of {_fmt(first)} over the first tenth of the run, {_fmt(first / untrained)}x "
                        f"the {_fmt(untrained)} of a model that knows nothing")
+    else:   # the same, where the train loss fell within the first tenth: the whole holdout at its first evaluation
+        h = holdout_data(run)
+        held = np.flatnonzero(np.isfinite(h.loss)) if h is not None and h.loss is not None else []
+        if untrained and len(held) and h.loss[held[0]] > UNSCALED_START * untrained:
+            effects.append(f"a holdout loss of {_fmt(h.loss[held[0]])} at its first evaluation at step "
+                           f"{int(h.steps[held[0]])}, {_fmt(h.loss[held[0]] / untrained)}x the {_fmt(untrained)} of a "
+                           "model that knows nothing")
     if not effects:
         return []
     st = steps(run)

@@ -467,6 +467,33 @@ def test_unscaled_inputs_are_named_before_what_they_do(tmp_path):
             assert fresh_accuracy < 0.8 and "over the first tenth of the run" in found["unscaled_inputs"].message
 
 
+def test_unscaled_inputs_whose_first_losses_fell_fast_are_named_by_the_first_holdout_loss(tmp_path):
+    """Breast cancer's raw features under Adam, where the train loss fell within the first tenth of the run
+    (its median there is under 5x log 2) and nothing blew up or died: the holdout's loss at its first
+    evaluation, over 5x log 2, shows the logits as large as the inputs. The run ends below the same loop on
+    standardised features, on the fresh examples."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y, raw = standardized(load_breast_cancer, fit=300)
+
+    def accuracy(model, inputs):
+        with torch.no_grad():
+            return (model.eval()(inputs[360:]).argmax(1) == y[360:]).float().mean().item()
+
+    model = sklearn_run(tmp_path / "raw", raw[:300], y[:300], (raw[300:360], y[300:360]), steps=400, every=8, seed=2)
+    standard = sklearn_run(tmp_path / "std", x[:300], y[:300], (x[300:360], y[300:360]), steps=400, every=8, seed=2)
+    assert accuracy(model, raw) < accuracy(standard, x) - 0.03, (accuracy(model, raw), accuracy(standard, x))
+    run = at.load_run(tmp_path / "raw", progress=False)
+    losses = at.column(run, "loss")
+    assert np.median(losses[:len(losses) // 10]) < 5 * math.log(2)   # the train loss alone does not tell
+    top = at.diagnose(run)
+    assert top[0].code == "unscaled_inputs" and "holdout loss of" in top[0].message, [f.code for f in top]
+    shown = float(re.search(r"holdout loss of ([0-9.]+)", top[0].message).group(1))
+    assert shown == pytest.approx(at.holdout_data(run).loss[0], rel=0.01) and shown > 5 * math.log(2)
+    _, found = codes(tmp_path / "std")
+    assert "unscaled_inputs" not in found, {c: f.message for c, f in found.items()}
+
+
 def test_a_holdout_loss_that_climbs_steadily_is_no_oscillation(tmp_path):
     """The holdout got the raw features, the train batches standardised ones: the holdout loss climbs by
     about as much at every collection as the model learns the train data (which it does: the test set
