@@ -4328,7 +4328,7 @@ def check_repeated_batches(run: Run) -> list:
     """The same batch again within one epoch (equal input fingerprints: sum x and sum x^2): a
     loader that hands out one batch over and over. Full-batch training is one batch per epoch, so never the
     same epoch twice; a resume replays batches, so each segment counts alone."""
-    seen, repeats, fingerprints = {}, [], set()
+    seen, repeats, fingerprints, last, adjacent = {}, [], set(), None, 0
     for r, seg in zip(run.records, segment_ids(run)):
         fp = _get(r, ["batch_stats", "fingerprint"])
         fp = tuple(_num(v) for v in fp) if isinstance(fp, list) and len(fp) == 2 else ()
@@ -4337,16 +4337,23 @@ def check_repeated_batches(run: Run) -> list:
         epoch = _num(r.get("epoch"))
         key = (int(seg), math.floor(epoch) if math.isfinite(epoch) else None, fp)
         fingerprints.add(fp)
+        adjacent += key == last
+        last = key
         if key in seen:
             repeats.append((seen[key], r["step"]))
         else:
             seen[key] = r["step"]
     # Sums of float inputs all but never coincide for different batches: two repeats are a habit, not luck.
     # Sums of token ids are integers in a narrow range and do coincide now and then (3% of a healthy LoRA
-    # run's batches): there a tenth of the batches must repeat.
+    # run's batches): there a tenth of the batches must repeat. A batch of one example is one of the data set's
+    # examples: drawn at random with replacement (an index per step), the same one comes again by chance
+    # (among 100 collections from 1000 examples, 5 times on average); a loader stuck on one batch hands it
+    # out at collection after collection, which chance does twice only on a small data set.
     considered = len(seen) + len(repeats)
     integral = all(v == math.floor(v) for fp in fingerprints for v in fp)
-    if len(repeats) < max(2, 0.1 * considered if integral else 0):
+    sizes = _finite(column(run, "batch_stats.batch_size"))
+    if len(repeats) < max(2, 0.1 * considered if integral else 0) or (len(sizes) and sizes.max() == 1
+                                                                        and adjacent < 2):
         return []
     return [Finding(
         "repeated_batches", "warning",

@@ -241,6 +241,17 @@ def test_repeated_batches_and_full_batch_training(tmp_path, digits):
     path = train(tmp_path / "full", digits, mlp(), n_train=64, batch=64, steps=40, opt="adam", lr=1e-3)
     _, found = diagnosis(path)
     assert "repeated_batches" not in everything(found)
+    # batches of one example drawn with replacement (an index per step): 100 collections from 600 examples
+    # meet the same example again by chance, never twice in a row here; one example stuck is named
+    path = train(tmp_path / "drawn", digits, mlp(), batch=1, steps=400, opt="adam", lr=1e-3,
+                 order=lambda step, rng: rng.randint(0, 600, 1))
+    prints = [tuple(r["batch_stats"]["fingerprint"]) for r in map(json.loads, (path / "telemetry.jsonl").open())]
+    assert len(prints) - len(set(prints)) >= 2
+    _, found = diagnosis(path)
+    assert "repeated_batches" not in everything(found)
+    top, _ = first_loud(train(tmp_path / "stuck", digits, mlp(), batch=1, steps=400, opt="adam", lr=1e-3,
+                              order=lambda step, rng: np.array([5])))
+    assert top.code == "repeated_batches" and "only 1 distinct batch" in top.message
 
 
 def test_unshuffled_batches(tmp_path, digits):
