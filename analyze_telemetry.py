@@ -3040,6 +3040,17 @@ def check_vanishing_gradients(run: Run) -> list:
     return [f for f in found if f is not None]
 
 
+def _previous_max(x: np.ndarray, window: int) -> np.ndarray:
+    """max(x[i - window:i]) for each i (of what there is before i; NaN at 0)."""
+    out = np.full(len(x), np.nan)
+    head = min(window, len(x) - 1)
+    if head > 0:
+        out[1:head + 1] = np.maximum.accumulate(x[:head])
+    if len(x) > window:
+        out[window:] = np.lib.stride_tricks.sliding_window_view(x, window).max(axis=1)[:len(x) - window]
+    return out
+
+
 def _loss_spikes(x: np.ndarray, positive: bool, untrained: float | None = None):
     """(spike indices, recent median per point) of one uninterrupted stretch of batch losses; `untrained`, the
     loss of a model that knows nothing where the holdout tells it, is the run's scale where its first losses
@@ -3057,7 +3068,8 @@ def _loss_spikes(x: np.ndarray, positive: bool, untrained: float | None = None):
     scale = max(abs(float(np.median(x[:10]))), untrained or 0.0)
     # Batches of one or a few have losses with a heavy tail (their noise on the log scale is wide): a loss 10x
     # the worst of the previous 50 is a spike whatever that noise says.
-    worst = np.array([np.max(x[max(0, i - 50):i]) if i >= 10 else np.nan for i in range(len(x))])
+    worst = _previous_max(x, 50)
+    worst[:10] = np.nan
     with np.errstate(invalid="ignore"):
         # far outside the recent noise (or past anything recent), at least double the recent level, and
         # visible on the run's scale
