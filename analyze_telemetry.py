@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import stat
+import statistics
 import sys
 import time
 import warnings
@@ -4227,7 +4228,10 @@ def check_class_imbalance(run: Run) -> list:
     k, total = len(labels), int(round(_batch_counts(run)[2].sum()))
     reasons, expected = [], 1.0 / k
     hi, lo = int(np.argmax(shares)), int(np.argmin(shares))
-    significant = abs(shares[hi] - expected) > 3 * _sigma(expected, total)
+    # Each test looks at every class, and the most uneven of k is further off than one class is: the
+    # threshold that gives one class 3 sigmas' one-sided chance, shared among the k.
+    z = statistics.NormalDist().inv_cdf(1 - (1 - statistics.NormalDist().cdf(3)) / k)
+    significant = abs(shares[hi] - expected) > z * _sigma(expected, total)
     if significant and (shares[lo] <= 0 or shares[hi] / shares[lo] >= 2):
         reasons.append(f"train batches are {', '.join(f'class {c}: {v:.1%}' for c, v in zip(labels, shares))} "
                        f"over {batches} batches (balanced would be {expected:.1%} each)")
@@ -4252,7 +4256,7 @@ def check_class_imbalance(run: Run) -> list:
             # split at random off a balanced 150-example set is not called another distribution.
             p = (share * total + hs * n_h) / (total + n_h)
             spread = math.sqrt(max(p * (1 - p), 1e-6) * (1 / n_h + 1 / max(total, 1) + (1 / n_t if n_t else 0)))
-            if abs(share - hs) > max(0.15, 3 * spread):
+            if abs(share - hs) > max(0.15, z * spread):
                 apart = f"class {c} is {share:.1%} of train batches but {hs:.1%} of the holdout"
                 break
     if apart:
