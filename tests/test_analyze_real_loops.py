@@ -3356,6 +3356,23 @@ def test_a_language_model_trained_on_unshifted_labels_is_named_not_called_overfi
             assert "labels_not_shifted" not in found, found
 
 
+def test_a_copying_language_model_is_named_on_text_whose_tokens_often_repeat(tmp_path):
+    """The unshifted loop above, its holdout the 40 windows of textwrap's source where a character most often
+    repeats the one before (indentation): copying is right at the next character about half the time there,
+    so the copy share is under three times the next-token accuracy; it is still over 30 points above it, where
+    a model trained right predicts its own token about as often as the next one is that token."""
+    import inspect
+    import textwrap
+
+    windows = text_windows(source_ids(textwrap), len(source_ids(textwrap)) // 64)
+    repeats = (windows[:, 1:] == windows[:, :-1]).float().mean(1)
+    holdout = windows[repeats.argsort(descending=True)[:40]]
+    model, record = char_gru_run(tmp_path / "r", source_ids(inspect), holdout, shifted=False)
+    hold = record["holdout_logits"]
+    assert hold["copy_accuracy"] > 0.9 and hold["copy_accuracy"] < 3 * hold["accuracy"], hold["accuracy"]
+    assert [f.code for f in at.diagnose(at.load_run(tmp_path / "r", progress=False))][0] == "labels_not_shifted"
+
+
 def test_a_language_model_that_learns_only_the_token_frequencies_reads_at_chance(tmp_path):
     """A character-level GRU on Python's own source, trained on a stream shuffled character by character (the
     loader shuffles tokens where it meant to shuffle windows): no window has any order left, so the model can
