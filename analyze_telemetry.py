@@ -4233,8 +4233,9 @@ def check_class_imbalance(run: Run) -> list:
     reasons, expected = [], 1.0 / k
     hi, lo = int(np.argmax(shares)), int(np.argmin(shares))
     # Each test looks at every class, and the most uneven of k is further off than one class is: the
-    # threshold that gives one class 3 sigmas' one-sided chance, shared among the k.
-    z = statistics.NormalDist().inv_cdf(1 - (1 - statistics.NormalDist().cdf(3)) / k)
+    # threshold that gives one class 3 sigmas' one-sided chance, shared among the k - 1 shares that are free
+    # (they sum to 1: two classes are one test, and stay at 3 sigmas).
+    z = statistics.NormalDist().inv_cdf(1 - (1 - statistics.NormalDist().cdf(3)) / max(k - 1, 1))
     significant = abs(shares[hi] - expected) > z * _sigma(expected, total)
     if significant and (shares[lo] <= 0 or shares[hi] / shares[lo] >= 2):
         reasons.append(f"train batches are {', '.join(f'class {c}: {v:.1%}' for c, v in zip(labels, shares))} "
