@@ -3723,13 +3723,14 @@ def check_forgetting(run: Run) -> list:
     end = float(accuracy[-3:].mean())
     swing = _noise_sd(accuracy[len(accuracy) // 2:])   # of one collection's accuracy, late in the run
     within = peak - end <= 3 * swing * math.sqrt(2 / 3)
-    large = peak >= chance + 3 * _sigma(chance, n) and lost - regained >= max(3, 0.1 * n) and z >= 3 and not within
+    many = lost - regained >= max(3, 0.1 * n)   # more than churn explains
+    large = peak >= chance + 3 * _sigma(chance, n) and many and z >= 3 and not within
     msg += (f"; {lost} examples right around the holdout's best (steps {int(st[p])}-{int(st[p + 2])}, "
             f"accuracy {peak:.3f}) are wrong at the end and {regained} the other way round")
     if large:
         hint = ("Learned examples were lost for good: lower the learning rate late in training, check for a "
                 "data-distribution shift between epochs, or keep the holdout-best checkpoint.")
-    elif within and lost - regained >= max(3, 0.1 * n):
+    elif within and many:
         hint = (f"The end ({end:.3f}) is below the best by less than the holdout accuracy's own swings explain (it "
                 f"moves by about {swing:.3f} from one collection to the next late in the run): the best was a lucky "
                 "model of a noisy run, not knowledge lost for good. Keep the holdout-best checkpoint, or lower the "
