@@ -892,6 +892,7 @@ _MIRROR_LEFT_OUT = ("schema", "step", "batch_idx", "timestamp", "start", "refere
                     "layer_stats", "grad_profile", "activations", "param_change/per_layer",
                     "lora/adapter_norm/layer_*", "lora/adapter_delta/layer_*", "lora/modules",
                     "holdout_logits/num_classes", "holdout_logits/outputs", "holdout_logits/padding_positions",
+                    "holdout_logits/padding_full_precision",
                     "batch_stats/counts",
                     "batch_stats/*_pct", "batch_stats/batch_size", "batch_stats/tokens", "batch_stats/distinct_labels",
                     "batch_stats/input_elements", "batch_stats/holdout_matches", "batch_stats/holdout_checked",
@@ -5227,7 +5228,7 @@ class _Holdout:
                       target: torch.Tensor) -> Optional[Dict[str, Any]]:
         """Whether a language model scores the tokens of its holdout's most padded row as it does with the row
         alone, unpadded: {"padding_nll": [the row's mean NLL in the batch, alone], "padding_positions": how many
-        of its positions are padding}. A forward that masks its padding (or pads after the text, under a causal
+        of its positions are padding, "padding_full_precision": whether the forward ran in float32 or wider}. A forward that masks its padding (or pads after the text, under a causal
         mask) differs by rounding; one that reads the padding as context (a left-padded batch through attention
         that ignores attention_mask) does not, and every score of a padded batch then measures the padding too.
         One more forward of one row an evaluation; None where it fails or gives outputs of another shape."""
@@ -5240,7 +5241,13 @@ class _Holdout:
         # Scored as the holdout scores a row, over the text's positions only: with the shift, the padded row's
         # first token (predicted from padding) is left out as the lone row has no position before it.
         nll = [language_model_holdout(x[None], target[None], shift=self.shift)["nll"] for x in (padded, single[0])]
-        return {"padding_nll": torch.cat(nll), "padding_positions": self.padding_row[3]}
+        # A forward wholly in float32 (or wider) scores the row alike both ways to its last digits; one through
+        # half-precision weights, autocast or reduced-precision matmuls may differ by its rounding.
+        full = (padded.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(padded.device.type)
+                and torch.get_float32_matmul_precision() == "highest"
+                and all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()))
+        return {"padding_nll": torch.cat(nll), "padding_positions": self.padding_row[3],
+                "padding_full_precision": full}
 
     def section(self, model: torch.nn.Module, device: Any, ranks: Any) -> Optional[Dict[str, Any]]:
         """The holdout_logits section: predictions, accuracy and loss (per-token NLL for language models,

@@ -1920,6 +1920,47 @@ def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tm
     assert sum(run.records[-1]["holdout_logits"]["tokens"]) == run.meta["holdout"]["scored_tokens"] == scored
 
 
+def test_a_float32_forward_that_reads_a_little_padding_is_named(tmp_path):
+    """The Llama behind the wrapper that drops attention_mask, 40 steps in: its holdout row with the most padding
+    scores its tokens under 1% apart in its batch and alone (the median evaluation), under the 1% that half-precision
+    rounding needs; the run said nothing. The forward ran in float32, where a masked forward's row agrees to the last
+    digits: telemetry records so, and padding_read names it first. The masked Llama in bf16 weights is recorded as
+    not full precision, and its rounding stays quiet."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from telemetry import TrainingTelemetry
+
+    ids, mask, labels = left_padded_source_lines()
+    for name in ("dropped", "masked-bf16"):
+        torch.manual_seed(0)
+        lm = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=128))
+        model = MaskDropped(lm) if name == "dropped" else lm.to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
+        tel.set_holdout_data({"input_ids": ids[-50:], "attention_mask": mask[-50:], "labels": labels[-50:]})
+        gen = torch.Generator().manual_seed(1)
+        for i in range(40):
+            pick = torch.randint(0, len(ids) - 500, (16,), generator=gen)
+            batch = {"input_ids": ids[pick], "attention_mask": mask[pick], "labels": labels[pick]}
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
+            opt.zero_grad()
+        tel.close()
+    run, found = codes(tmp_path / "dropped")
+    holds = [r["holdout_logits"] for r in run.records if "padding_nll" in r.get("holdout_logits", {})]
+    assert len(holds) >= 5 and all(h["padding_full_precision"] is True for h in holds)
+    change = float(np.median([abs(a - b) / b for a, b in (h["padding_nll"] for h in holds)]))
+    assert 1e-3 < change < at.PADDING_CHANGE, change
+    assert at.diagnose(run)[0].code == "padding_read", found
+    run, found = codes(tmp_path / "masked-bf16")
+    holds = [r["holdout_logits"] for r in run.records if "padding_nll" in r.get("holdout_logits", {})]
+    assert len(holds) >= 5 and all(h["padding_full_precision"] is False for h in holds)
+    assert "padding_read" not in found
+
+
 def test_sparse_quality_compares_the_positions_the_holdout_scores():
     """sparse_quality's agreement counts, per row, the positions language_model_holdout scores: on left-padded
     rows, none predicted at padding (the counts by hand: each row's tokens after its first). An additive mask (0
