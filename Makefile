@@ -49,8 +49,9 @@ demo: $(DEMO_READY)
 	$(BIN)/python analyze_telemetry.py runs/healthy
 	$(BIN)/python analyze_telemetry.py runs/overfit
 
+# Two workers (pytest-xdist): the suite is hundreds of small real loops, most of them on one core at a time.
 test: $(DEV_READY)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # unsloth pins the transformers it patches, older than the dev extras' one, so it gets a venv of its own. On a
 # machine without a GPU its CPU fallback trains through FastLanguageModel and TRL's SFTTrainer all the same;
