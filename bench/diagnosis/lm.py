@@ -34,7 +34,10 @@ def _text_ids(names: tuple) -> torch.Tensor:
 
 
 def _windows(ids: torch.Tensor, n: int, length: int, start: int = 0) -> torch.Tensor:
-    """n non-overlapping windows of `length` characters from `start` on."""
+    """n non-overlapping windows of `length` characters from `start` on; a start past where n windows fit wraps
+    round the text (high seeds), so that there are always n where the text holds them."""
+    if start + n * length > len(ids):
+        start %= max(len(ids) - n * length + 1, 1)
     n = min(n, (len(ids) - start) // length)
     return ids[start:start + n * length].reshape(n, length)
 
