@@ -2144,7 +2144,8 @@ def test_raw_targets_that_fit_after_units_died_are_left_alone(tmp_path):
     the first steps, as large as the targets, kill half of a hidden layer, and what is left fits them, better
     than a linear fit on the 92 examples telemetry never sees. The analyzer told it to standardise the targets
     through its dead units. Units dead in a run whose holdout then fitted and ends near its best are left to
-    dead_units alone; the raw targets are no finding."""
+    dead_units alone; the raw targets are no finding, but dead_units' hint names their scale (the holdout's
+    targets' root mean square, by hand) as what made the first steps large."""
     from sklearn.datasets import load_diabetes
     from sklearn.linear_model import LinearRegression
     from sklearn.metrics import r2_score
@@ -2176,6 +2177,9 @@ def test_raw_targets_that_fit_after_units_died_are_left_alone(tmp_path):
     assert r2 > r2_score(y[fresh], LinearRegression().fit(x[train], y[train]).predict(x[fresh])), r2
     run, found = codes(tmp_path)
     assert "unscaled_targets" not in found and "dead_units" in found, found
+    rms = float(np.sqrt(np.mean(y[held] ** 2)))
+    hint = found["dead_units"].hint
+    assert hint.startswith(f"The regression targets have a root mean square of {at._fmt(rms)}"), hint
 
 
 def test_a_vae_whose_posterior_collapsed_is_told_of_its_kl_term(tmp_path):
