@@ -4199,12 +4199,12 @@ def check_outputs_off_scale(run: Run) -> list:
              "temperature. Fix the init or the layer, or start the last layer's weights near 0.")]
 
 
-def _target_rms(run: Run) -> float:
-    """The root mean square of a regression holdout's targets at its last evaluation (0 for other holdouts, or
-    under 5 examples)."""
+def _target_rms(run: Run) -> tuple:
+    """(The root mean square of a regression holdout's targets at its last evaluation, 0 for other holdouts or
+    under 5 examples; those targets, _last_targets's, empty for other holdouts)."""
     h = holdout_data(run)
-    targets = _last_targets(h) if h and h.kind == "regression" else np.zeros(0)
-    return float(np.sqrt(np.mean(targets ** 2))) if len(targets) >= 5 else 0.0
+    targets = _last_targets(h) if h and h.kind == "regression" else np.zeros((0, 1))
+    return (float(np.sqrt(np.mean(targets ** 2))) if len(targets) >= 5 else 0.0), targets
 
 
 def check_unscaled_targets(run: Run) -> list:
@@ -4212,10 +4212,9 @@ def check_unscaled_targets(run: Run) -> list:
     that blows up, stalls or ends no better than predicting their mean: a network's outputs start near 0, so
     the squared error's gradients are as large as the targets, and an adaptive optimizer's steps of about the
     learning rate take thousands of steps to reach them. A run that fits them anyway is left alone."""
-    rms = _target_rms(run)
+    rms, targets = _target_rms(run)
     if rms <= UNSCALED_RMS:
         return []
-    targets = _last_targets(holdout_data(run))
     effects = _troubles(run, (check_nonfinite, check_loss_diverging, check_exploding_gradients, check_loss_oscillating,
                               check_dead_units, check_loss_stalled, check_holdout_at_chance))
     # Units killed by the first large steps, in a run whose holdout then fitted the targets and ends near
@@ -4451,12 +4450,12 @@ def check_dead_units(run: Run) -> list:
             "stayed at the chance level from the start: units a model that learns nothing does not need.",
             _steps_list(sorted(r[3] for r in rows)), group=rows[0][0], explains_only=(),
             hint="Find why the loss learned nothing first (the findings above); the units are not why.")]
-    rms = _target_rms(run)
+    rms = _target_rms(run)[0]
     # Where unscaled_targets stays quiet (the run fitted the targets after these deaths), the targets' scale is
     # still what made the first steps large: the hint says so first.
-    targets = (f"The regression targets have a root mean square of {_fmt(rms)}: the outputs start near 0, so the "
-               "first gradients and steps are as large as the targets; standardising them ((y - mean) / std, the "
-               "predictions mapped back) keeps the steps small. " if rms > UNSCALED_RMS else "")
+    scale = (f"The regression targets have a root mean square of {_fmt(rms)}: the outputs start near 0, so the "
+             "first gradients and steps are as large as the targets; standardising them ((y - mean) / std, the "
+             "predictions mapped back) keeps the steps small. " if rms > UNSCALED_RMS else "")
     when = (f" {', '.join(died)} died during training, the sign of steps too large for the layer"
             if died else f" They were dead already at the first collection (step {rows[0][3]}): the init or the "
             "biases, or a blow-up in the first steps")
@@ -4464,7 +4463,7 @@ def check_dead_units(run: Run) -> list:
         "dead_units", "warning", f"{len(rows)} ReLU layer(s) with most units dead (never firing): "
         + _units_text(rows, "dead", n) + "." + when + ".", _steps_list(sorted(r[3] for r in rows)),
         group=rows[0][0],
-        hint=targets
+        hint=scale
         + ("Lower the learning rate (or warm it up, or clip gradients): units that die during training were "
            "pushed there by large updates, and dead ReLUs pass no gradient, so they never recover. "
            if died else "Check the biases and the init (Kaiming for ReLU)"

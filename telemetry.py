@@ -1319,10 +1319,10 @@ def robust_z(history: Any, value: float) -> float:
     Taken on a log scale when no value is negative and one is > 0 (loss and gradient norms vary
     multiplicatively, so the noise late in training, when they are small, is not mistaken for spikes); a 0 (a
     float32 cross-entropy of a batch of one the model is sure of) counts as the least value above 0 there,
-    since on the linear scale one wrong example among right ones would pass for a spike. The scale has a floor (5% on
-    the log scale, 1e-3 * |median| otherwise) so that a tight stretch of history, MAD near 0, does not make
-    a spike of a rise of a few percent: at the default threshold of 8, a z-score alone asks for at least
-    1.49x the median (the alerts ask for SPIKE_MIN_RATIO besides).
+    since on the linear scale one wrong example among right ones would pass for a spike. The scale has a
+    floor (5% on the log scale, 1e-3 * |median| otherwise) so that a tight stretch of history, MAD near 0,
+    does not make a spike of a rise of a few percent: at the default threshold of 8, a z-score alone asks for
+    at least 1.49x the median (the alerts ask for SPIKE_MIN_RATIO besides).
     Plain floats: it runs on the host record, after the one transfer.
     """
     values = list(history)
@@ -2866,11 +2866,11 @@ class _AlertMonitor:
             # SDs above it: a spike also rises by SPIKE_VISIBLE of the run's scale, its first losses' highest.
             # Batches of one or a few have a heavy tail, wide on the log scale: SPIKE_PAST_WORST times the
             # window's worst loss is a spike however many SDs that is.
-            past = worst > 0 and loss > SPIKE_PAST_WORST * worst
-            if (z > self.config.alert_spike_threshold or past) and loss > SPIKE_MIN_RATIO * abs(median) \
+            past, by_z = worst > 0 and loss > SPIKE_PAST_WORST * worst, z > self.config.alert_spike_threshold
+            if (by_z or past) and loss > SPIKE_MIN_RATIO * abs(median) \
                     and loss - median > SPIKE_VISIBLE * max(map(abs, self.first_losses)):
-                how = f"{loss / worst:.1f}x the worst of the window" if past and z <= self.config.alert_spike_threshold \
-                    else f"{z:.1f} robust SDs above its rolling median"
+                how = (f"{z:.1f} robust SDs above its rolling median" if by_z
+                       else f"{loss / worst:.1f}x the worst of the window")
                 yield ("loss_spike", "warning", f"loss {loss:.4g} is {how}, whose median is {median:.4g}", None)
         history.append(loss)
         if len(self.first_losses) < 10:
@@ -5228,9 +5228,10 @@ class _Holdout:
                       target: torch.Tensor) -> Optional[Dict[str, Any]]:
         """Whether a language model scores the tokens of its holdout's most padded row as it does with the row
         alone, unpadded: {"padding_nll": [the row's mean NLL in the batch, alone], "padding_positions": how many
-        of its positions are padding, "padding_full_precision": whether the forward ran in float32 or wider}. A forward that masks its padding (or pads after the text, under a causal
-        mask) differs by rounding; one that reads the padding as context (a left-padded batch through attention
-        that ignores attention_mask) does not, and every score of a padded batch then measures the padding too.
+        of its positions are padding, "padding_full_precision": whether the forward ran in float32 or wider}. A
+        forward that masks its padding (or pads after the text, under a causal mask) differs by rounding; one that
+        reads the padding as context (a left-padded batch through attention that ignores attention_mask) does
+        not, and every score of a padded batch then measures the padding too.
         One more forward of one row an evaluation; None where it fails or gives outputs of another shape."""
         try:
             single = self.forward_one(model, alone)[0].detach()

@@ -1846,6 +1846,34 @@ def left_padded_source_lines(length=40):
     return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
+def left_padded_llama_run(out, wrap, steps, enabled=True):
+    """A tiny Llama (seeded), `wrap(llama)` the model trained: `steps` AdamW steps on batches of 16 of
+    left_padded_source_lines(), telemetry collecting every 5th into `out` with the last 50 lines as its holdout.
+    Returns the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from telemetry import TrainingTelemetry
+
+    ids, mask, labels = left_padded_source_lines()
+    torch.manual_seed(0)
+    model = wrap(LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=4, vocab_size=128)))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tel = TrainingTelemetry(output_dir=str(out), collect_every_n=5, enabled=enabled)
+    tel.set_holdout_data({"input_ids": ids[-50:], "attention_mask": mask[-50:], "labels": labels[-50:]})
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        pick = torch.randint(0, len(ids) - 500, (16,), generator=gen)
+        batch = {"input_ids": ids[pick], "attention_mask": mask[pick], "labels": labels[pick]}
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
+        opt.zero_grad()
+    tel.close()
+    return model
+
+
 class MaskDropped(nn.Module):
     """A wrapper whose forward takes attention_mask and never passes it on: every position attends to the
     padding before the text."""
@@ -1865,30 +1893,13 @@ def test_a_forward_that_drops_attention_mask_is_named_for_reading_the_padding(tm
     names it, its NLLs equal to a manual eval() pass of the final weights, in the batch and alone. The Llama given
     its mask scores the row alike both ways and is quiet; the wrapper's weights end bit-identical to a run
     without telemetry."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from telemetry import TrainingTelemetry
-
     ids, mask, labels = left_padded_source_lines()
     fresh, models, weights = {}, {}, {}
     for name in ("masked", "dropped", "without"):
-        torch.manual_seed(0)
-        lm = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=128))
-        model = models[name] = lm if name == "masked" else MaskDropped(lm)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5, enabled=name != "without")
-        tel.set_holdout_data({"input_ids": ids[-50:], "attention_mask": mask[-50:], "labels": labels[-50:]})
-        gen = torch.Generator().manual_seed(1)
-        for i in range(96):  # the last step is collected: the record's weights are the final ones
-            pick = torch.randint(0, len(ids) - 500, (16,), generator=gen)
-            batch = {"input_ids": ids[pick], "attention_mask": mask[pick], "labels": labels[pick]}
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
-            opt.zero_grad()
-        tel.close()
+        # 96 steps: the last step is collected, so the last record's weights are the final ones
+        model = models[name] = left_padded_llama_run(tmp_path / name, (lambda lm: lm) if name == "masked"
+                                                     else MaskDropped, 96, enabled=name != "without")
+        lm = model if name == "masked" else model.lm
         weights[name] = [p.detach().clone() for p in model.parameters()]
         model.eval()
         with torch.no_grad():  # next-token NLL of 100 fresh lines, each alone and unpadded
@@ -1926,37 +1937,19 @@ def test_a_float32_forward_that_reads_a_little_padding_is_named(tmp_path):
     rounding needs; the run said nothing. The forward ran in float32, where a masked forward's row agrees to the last
     digits: telemetry records so, and padding_read names it first. The masked Llama in bf16 weights is recorded as
     not full precision, and its rounding stays quiet."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    left_padded_llama_run(tmp_path / "dropped", MaskDropped, 40)
+    left_padded_llama_run(tmp_path / "masked-bf16", lambda lm: lm.to(torch.bfloat16), 40)
 
-    from telemetry import TrainingTelemetry
-
-    ids, mask, labels = left_padded_source_lines()
-    for name in ("dropped", "masked-bf16"):
-        torch.manual_seed(0)
-        lm = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=128))
-        model = MaskDropped(lm) if name == "dropped" else lm.to(torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        tel = TrainingTelemetry(output_dir=str(tmp_path / name), collect_every_n=5)
-        tel.set_holdout_data({"input_ids": ids[-50:], "attention_mask": mask[-50:], "labels": labels[-50:]})
-        gen = torch.Generator().manual_seed(1)
-        for i in range(40):
-            pick = torch.randint(0, len(ids) - 500, (16,), generator=gen)
-            batch = {"input_ids": ids[pick], "attention_mask": mask[pick], "labels": labels[pick]}
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            tel.on_batch_end(model, opt, i, 0, batch=batch, loss=loss)
-            opt.zero_grad()
-        tel.close()
+    def probed(run):  # the holdout sections of the evaluations that ran the padding probe
+        return [r["holdout_logits"] for r in run.records if "padding_nll" in r.get("holdout_logits", {})]
     run, found = codes(tmp_path / "dropped")
-    holds = [r["holdout_logits"] for r in run.records if "padding_nll" in r.get("holdout_logits", {})]
+    holds = probed(run)
     assert len(holds) >= 5 and all(h["padding_full_precision"] is True for h in holds)
     change = float(np.median([abs(a - b) / b for a, b in (h["padding_nll"] for h in holds)]))
     assert 1e-3 < change < at.PADDING_CHANGE, change
     assert at.diagnose(run)[0].code == "padding_read", found
     run, found = codes(tmp_path / "masked-bf16")
-    holds = [r["holdout_logits"] for r in run.records if "padding_nll" in r.get("holdout_logits", {})]
+    holds = probed(run)
     assert len(holds) >= 5 and all(h["padding_full_precision"] is False for h in holds)
     assert "padding_read" not in found
 
